@@ -1,0 +1,81 @@
+"""Tensor-parallel group: the collectives the model needs, over torch.distributed.
+
+At world size 1 every collective is the identity, so the model code never branches on TP.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# Followers wait in a broadcast for the next step plan for as long as the engine is idle.
+_IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+class TPGroup:
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None):
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        return cls(0, 1, None)
+
+    @classmethod
+    def init(cls, rank: int, world_size: int, init_method: str, backend: str = "gloo") -> TPGroup:
+        if world_size == 1:
+            return cls.single()
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=_IDLE_TIMEOUT)
+        return cls(rank, world_size, dist.group.WORLD)
+
+    # ---- tensor collectives --------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.broadcast(t, src=src, group=self.group)
+        return t
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # ---- sharding helpers ----------------------------------------------------
+    def shard(self, n: int) -> tuple[int, int]:
+        """(start, size) of this rank's slice of a dimension of length n."""
+        size = n // self.world_size
+        return self.rank * size, size
+
+    def destroy(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def set_cpu_threads(world_size: int) -> int:
+    """Give each rank an equal share of the CPU so TP ranks do not oversubscribe it."""
+    n = max(1, (os.cpu_count() or 1) // max(world_size, 1))
+    n = int(os.environ.get("LATENTSERVE_THREADS_PER_RANK", n))
+    torch.set_num_threads(n)
+    return n

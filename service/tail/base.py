@@ -1,0 +1,91 @@
+"""The MoE tail: the call site every MoE layer goes through, fused or not.
+
+`out = sum_r shared_r + W_up . RMSNorm(sum_r routed_r)` over TP ranks r (DESIGN §1).
+
+`TailRunner` (one per MoE layer) picks the fused collective per call when it is enabled and
+the batch is small enough, else the unfused reference path (process-group all-reduces).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..parallel import TPGroup
+
+
+class TailTimeout(RuntimeError):
+    """A fused-tail spin-wait passed its deadline: peers' data never arrived."""
+
+
+class FusedTailCollective(Protocol):
+    """One per rank, shared by all MoE layers (they run one after another)."""
+
+    max_tokens: int
+
+    def fused_tail(self, routed_partial: torch.Tensor, shared_partial: torch.Tensor,
+                   norm_weight: torch.Tensor | None, up_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """routed_partial [M, L], shared_partial [M, H] (un-reduced partials); up_weight [H, L] (full,
+        replicated); returns out [M, H], bit-identical on every rank."""
+
+    def epoch(self) -> int: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def unfused_tail(tp: TPGroup, routed_partial: torch.Tensor, shared_partial: torch.Tensor,
+                 norm_weight: torch.Tensor | None, up_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    routed = tp.all_reduce(routed_partial.contiguous())
+    latent = rms_norm(routed, norm_weight, eps)
+    out = latent @ up_weight.t()
+    return out + tp.all_reduce(shared_partial.contiguous())
+
+
+class TailRunner:
+    """Per-layer tail: fused when enabled and M <= the collective's token limit, else unfused."""
+
+    def __init__(self, layer_idx: int, tp: TPGroup, mode: str = "auto",
+                 collective: FusedTailCollective | None = None):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"fused_tail must be 'auto', 'on' or 'off', got {mode!r}")
+        self.layer_idx = layer_idx
+        self.tp = tp
+        self.mode = mode
+        self.collective = collective
+        self.fused_calls = 0
+        self.unfused_calls = 0
+        self.disabled_reason: str | None = None
+        if mode == "off":
+            self.disabled_reason = "fused_tail=off"
+        elif collective is None:
+            self.disabled_reason = "no fused collective on this rank (TP 1, or ranks span nodes)"
+
+    @property
+    def fused(self) -> bool:
+        return self.collective is not None and self.mode != "off"
+
+    def __call__(self, routed_partial: torch.Tensor, shared_partial: torch.Tensor,
+                 norm_weight: torch.Tensor | None, up_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        m = routed_partial.shape[0]
+        if self.fused and m <= self.collective.max_tokens:
+            self.fused_calls += 1
+            return self.collective.fused_tail(routed_partial, shared_partial, norm_weight, up_weight, eps)
+        self.unfused_calls += 1
+        return unfused_tail(self.tp, routed_partial, shared_partial, norm_weight, up_weight, eps)
+
+    def state(self) -> dict:
+        return {
+            "layer": self.layer_idx,
+            "fused": self.fused,
+            "fused_calls": self.fused_calls,
+            "unfused_calls": self.unfused_calls,
+            "epoch": self.collective.epoch() if self.collective is not None else None,
+            "reason": self.disabled_reason,
+        }
