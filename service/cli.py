@@ -1,0 +1,125 @@
+"""`latentserve` command line: generate, serve, verify-sleep."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .config import ConfigError
+from .sampling_params import InvalidRequest
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset (tiny, tiny-dense-moe, small, k3) or checkpoint dir")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-overrides", type=json.loads, default=None, help='JSON, e.g. \'{"num_hidden_layers": 4}\'')
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (e.g. auto); default: local")
+    p.add_argument("--enable-sleep-mode", action="store_true")
+    p.add_argument("--sleep-preserve-parameter-names", nargs="*", default=[], metavar="GLOB")
+    p.add_argument("--fused-tail", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--tail-deadline-s", type=float, default=10.0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, tensor_parallel_size=args.tp, dtype=args.dtype, seed=args.seed,
+        hf_overrides=args.hf_overrides, enable_sleep_mode=args.enable_sleep_mode,
+        sleep_preserve_parameter_names=args.sleep_preserve_parameter_names, fused_tail=args.fused_tail,
+        device=args.device, ray_address=args.ray_address, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, tail_deadline_s=args.tail_deadline_s,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sample_seed)
+    prompts = [{"prompt_token_ids": [int(t) for t in p.split(",")]} for p in args.prompt_token_ids] \
+        if args.prompt_token_ids else args.prompt
+    if not prompts:
+        raise InvalidRequest("give --prompt TEXT or --prompt-token-ids 1,2,3")
+    llm = LLM(**engine_kwargs(args))
+    try:
+        for out in llm.generate(prompts, params):
+            o = out.outputs[0]
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "text": o.text, "token_ids": o.token_ids,
+                                  "finish_reason": o.finish_reason}))
+            else:
+                shown = o.text if o.text is not None else f"(no tokenizer) token ids {o.token_ids}"
+                print(f"--- {out.prompt!r}\n{shown}\n[{o.finish_reason}, {len(o.token_ids)} tokens]")
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.app import serve
+
+    return serve(args)
+
+
+def cmd_verify_sleep(args: argparse.Namespace) -> int:
+    from .server.verify_sleep import main as verify_main
+
+    return verify_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="latentserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate offline through the TP ranks")
+    _add_engine_args(g)
+    g.add_argument("--prompt", action="append", default=[])
+    g.add_argument("--prompt-token-ids", action="append", default=[], metavar="1,2,3")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API with /sleep and /wake_up")
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--admin-key", default=os.environ.get("LATENTSERVE_ADMIN_KEY"))
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--enable-test-hooks", action="store_true",
+                   help="allow state-changing collective_rpc hooks (negative controls); never in production")
+    s.set_defaults(func=cmd_serve)
+
+    v = sub.add_parser("verify-sleep", help="the seed's sleep test plan with its negative control")
+    _add_engine_args(v)
+    v.add_argument("--url", default=None, help="use a running service instead of starting one")
+    v.add_argument("--admin-key", default=os.environ.get("LATENTSERVE_ADMIN_KEY"))
+    v.add_argument("--prompts", type=int, default=16)
+    v.add_argument("--tokens", type=int, default=48)
+    v.set_defaults(func=cmd_verify_sleep)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, InvalidRequest, ValueError) as e:
+        print(f"latentserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Engine configuration: everything a rank needs to build its shard, pool, tail and KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ConfigError, ModelConfig, resolve_model
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    seed: int = 0
+    hf_overrides: dict[str, Any] | None = None
+    device: str = "cpu"
+    # sleep mode and the memory pool
+    enable_sleep_mode: bool = False
+    sleep_preserve_parameter_names: list[str] = field(default_factory=list)
+    pool_layout: str = "segregated"
+    poison_discarded: bool = False
+    # fused MoE tail
+    fused_tail: str = "auto"
+    fused_tail_max_tokens: int = 64
+    tail_deadline_s: float = 10.0
+    # KV cache and batching
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    # Ray
+    ray_address: str | None = None
+    num_cpus_per_rank: float = 1.0
+    # filled by resolve()
+    model_config: ModelConfig | None = None
+    checkpoint_dir: str | None = None
+
+    def resolve(self) -> EngineConfig:
+        cfg, ckpt = resolve_model(self.model, self.hf_overrides)
+        cfg.validate(self.tensor_parallel_size)
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.fused_tail not in ("auto", "on", "off"):
+            raise ConfigError(f"fused_tail must be auto, on or off, got {self.fused_tail!r}")
+        if self.pool_layout not in ("segregated", "interleaved"):
+            raise ConfigError(f"pool_layout must be segregated or interleaved, got {self.pool_layout!r}")
+        max_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_len > cfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+        return dataclasses.replace(self, model_config=cfg, checkpoint_dir=ckpt, max_model_len=max_len)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        name = self.dtype
+        if name == "auto":
+            name = self.model_config.torch_dtype if self.model_config and self.model_config.torch_dtype else None
+            if name not in ("float32", "bfloat16", "float16"):
+                name = "bfloat16" if self.device.startswith("cuda") else "float32"
+        return getattr(torch, name)
+
+    def kv_blocks(self) -> int:
+        if self.num_kv_blocks:
+            return self.num_kv_blocks
+        cfg = self.model_config
+        per_token = cfg.kv_cache_dim * cfg.num_hidden_layers * self.torch_dtype.itemsize
+        wanted = -(-self.max_num_seqs * self.max_model_len // self.block_size)
+        fits = self.kv_cache_memory_bytes // (per_token * self.block_size)
+        return max(8, min(wanted, fits))

@@ -1,0 +1,160 @@
+"""The engine loop on rank 0: a thread that steps the engine while there is work.
+
+Clients (the offline LLM, the HTTP controller) add requests and long-poll for outputs. Pause
+stops stepping between two steps, which is what makes a sleep safe: no forward is running
+on any rank once `pause()` returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+from .engine.llm_engine import LLMEngine
+from .log import get_logger
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+log = get_logger("engine")
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, weight_version):
+        self.engine = engine
+        self._weight_version = weight_version  # callable: the version stamped on outputs
+        self._cv = threading.Condition()
+        self._paused = False
+        self._stepping = False
+        self._stop = False
+        self._outputs: list[RequestOutput] = []
+        self._finished: dict[str, RequestOutput] = {}
+        self._waiters: dict[str, threading.Event] = defaultdict(threading.Event)
+        self.last_error: str | None = None
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- requests -----------------------------------------------------------------
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+            params: SamplingParams) -> None:
+        with self._cv:
+            self.engine.add_request(request_id, prompt, prompt_token_ids, params)
+            self._cv.notify_all()
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._cv:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            self._cv.notify_all()
+
+    def poll(self, timeout: float = 1.0) -> list[RequestOutput]:
+        """New outputs since the last poll (cumulative per request), waiting up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._outputs and time.monotonic() < deadline:
+                self._cv.wait(deadline - time.monotonic())
+            out, self._outputs = self._outputs, []
+            return out
+
+    def generate(self, requests: list[tuple[str, str | None, list[int] | None, SamplingParams]],
+                 timeout: float | None = None) -> list[RequestOutput]:
+        ids = [r[0] for r in requests]
+        events = []
+        with self._cv:
+            for rid in ids:
+                events.append(self._waiters[rid])
+            try:
+                for rid, prompt, tok, params in requests:
+                    self.engine.add_request(rid, prompt, tok, params)
+            except Exception:
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                    self._waiters.pop(rid, None)
+                raise
+            self._cv.notify_all()
+        for ev in events:
+            if not ev.wait(timeout):
+                raise TimeoutError("generate timed out")
+        with self._cv:
+            return [self._finished.pop(rid) for rid in ids]
+
+    # ---- control -----------------------------------------------------------------
+    def pause(self, mode: str = "wait", timeout: float = 60.0) -> dict:
+        """Stop stepping. mode: abort in-flight requests, wait for them, or keep them for resume."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode must be abort, wait or keep, got {mode!r}")
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            if mode == "wait":
+                self._draining = True
+                while self.engine.has_unfinished() and time.monotonic() < deadline:
+                    self._cv.wait(0.05)
+                self._draining = False
+                if self.engine.has_unfinished():
+                    raise TimeoutError(f"in-flight requests did not finish within {timeout}s")
+            self._paused = True
+            while self._stepping:
+                self._cv.wait(0.05)
+            aborted = []
+            if mode == "abort":
+                aborted = self.engine.abort_all("aborted: the engine is going to sleep")
+                self._publish(self.engine.drain_outputs())
+            elif mode == "keep":
+                self.engine.preempt_all()  # their KV is about to be released: recompute after wake
+        return {"paused": True, "mode": mode, "aborted": len(aborted), "kept": self.engine.num_unfinished()}
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def stats(self) -> dict:
+        s = dict(self.engine.stats())
+        s.update(paused=self._paused, steps=self.steps, last_error=self.last_error)
+        return s
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # ---- loop -----------------------------------------------------------------
+    _draining = False
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (self._paused or not self.engine.has_unfinished()):
+                    self._cv.wait(0.5)
+                if self._stop:
+                    return
+                self._stepping = True
+            try:
+                outputs = self.engine.step()
+                self.last_error = None
+            except Exception as e:  # the engine already failed its running requests
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.error("step_failed", error=self.last_error)
+                outputs = self.engine.drain_outputs()
+            with self._cv:
+                self._stepping = False
+                self.steps += 1
+                self._publish(outputs)
+                self._cv.notify_all()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        version = self._weight_version()
+        for out in outputs:
+            out.weight_version = version
+            if out.request_id in self._waiters:
+                if out.finished:
+                    self._finished[out.request_id] = out
+                    self._waiters.pop(out.request_id).set()
+            else:
+                self._outputs.append(out)

@@ -1,0 +1,194 @@
+"""Ray executor: one placement group, one actor per TP rank, ranks ordered by node.
+
+Rank 0 hosts the engine loop; the driver talks to it per request (not per step), and to all
+ranks in parallel, with a deadline, for sleep/wake/weight updates and diagnostics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .engine_config import EngineConfig
+from .log import get_logger
+from .worker import RankWorker
+
+log = get_logger("executor")
+
+
+class RankActor(RankWorker):
+    """RankWorker plus the engine loop on rank 0 (Ray runs each method on its own thread)."""
+
+    def __init__(self, rank: int, config: EngineConfig):
+        super().__init__(rank, config)
+        self.loop = None
+
+    def start(self) -> None:
+        if self.rank != 0:
+            self.start_following()
+            return
+        from .engine.llm_engine import LLMEngine
+        from .engine_loop import EngineLoop
+        from .tokenizer import get_tokenizer
+
+        cfg = self.config
+        tokenizer = get_tokenizer(cfg.model, cfg.model_config)
+        engine = LLMEngine(
+            self.execute_step, tokenizer, block_size=cfg.block_size, num_blocks=cfg.kv_blocks(),
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, eos_token_id=cfg.model_config.eos_token_id,
+            vocab_size=cfg.model_config.vocab_size,
+        )
+        self.loop = EngineLoop(engine, lambda: self.weight_version)
+
+    # engine-loop passthroughs (rank 0 only)
+    def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
+        self.loop.add(request_id, prompt, prompt_token_ids, params)
+
+    def abort(self, request_ids) -> None:
+        self.loop.abort(request_ids)
+
+    def poll(self, timeout: float = 1.0):
+        return self.loop.poll(timeout)
+
+    def generate(self, requests, timeout=None):
+        return self.loop.generate(requests, timeout)
+
+    def pause(self, mode: str = "wait", timeout: float = 60.0) -> dict:
+        return self.loop.pause(mode, timeout)
+
+    def resume(self) -> None:
+        self.loop.resume()
+
+    def engine_stats(self) -> dict:
+        return self.loop.stats()
+
+    def tokenizer_info(self) -> dict:
+        tok = self.loop.engine.tokenizer
+        return {"has_tokenizer": tok is not None}
+
+    def encode(self, text: str) -> list[int]:
+        return self.loop.engine.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.loop.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+            self.stop_followers()
+        self.shutdown()
+
+
+def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # The embedded default: a local cluster with enough logical CPUs for one bundle per rank.
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(num_cpus_needed + 0.999)), include_dashboard=False,
+                 log_to_driver=True)
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        tp = config.tensor_parallel_size
+        gpu = config.device.startswith("cuda")
+        per_rank = config.num_cpus_per_rank
+        ensure_ray(config.ray_address, per_rank * tp)
+        bundle = {"CPU": per_rank, **({"GPU": 1} if gpu else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        order, nodes = self._bundles_by_node(tp)
+        self.nodes = nodes
+        self.same_node = len(set(nodes)) == 1
+        actor_cls = ray.remote(max_concurrency=16)(RankActor)
+        env = {"env_vars": {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // tp))}}
+        self.actors = []
+        for rank, bundle_index in enumerate(order):
+            opts = dict(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle_index),
+                num_cpus=per_rank, runtime_env=env,
+            )
+            if gpu:
+                opts["num_gpus"] = 1
+            self.actors.append(actor_cls.options(**opts).remote(rank, config))
+        t0 = time.perf_counter()
+        addr = ray.get(self.actors[0].rendezvous_address.remote())
+        group = f"ls{uuid.uuid4().hex[:10]}"
+        infos = ray.get([a.init.remote(addr, self.same_node, group) for a in self.actors])
+        ray.get([a.start.remote() for a in self.actors])
+        self.rank0 = self.actors[0]
+        self._pool = ThreadPoolExecutor(max_workers=max(4, tp))
+        log.info("cluster_ready", tp=tp, nodes=len(set(nodes)), seconds=round(time.perf_counter() - t0, 2),
+                 fused_layers=infos[0]["tail"]["fused"])
+
+    def _bundles_by_node(self, tp: int) -> tuple[list[int], list[str]]:
+        table = placement_group_table(self.pg)
+        b2n = table.get("bundles_to_node_id", {})
+        here = ray.get_runtime_context().get_node_id()
+        # Rank 0's node first (the driver's node when it has a bundle), then by node, then bundle index.
+        key = {n: (0 if n == here else 1, n) for n in set(b2n.values())}
+        order = sorted(range(tp), key=lambda i: (key.get(b2n.get(i), (2, "")), i))
+        return order, [b2n.get(i, "?") for i in order]
+
+    # ---- all-rank calls with a deadline ------------------------------------------------
+    def call_all(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list[dict]:
+        """Call `method` on every rank in parallel; one outcome dict per rank, never raises."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        deadline = time.monotonic() + timeout
+        outcomes = []
+        for rank, ref in enumerate(refs):
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                outcomes.append({"rank": rank, "ok": True, "result": ray.get(ref, timeout=left)})
+            except ray.exceptions.GetTimeoutError:
+                outcomes.append({"rank": rank, "ok": False, "timeout": True,
+                                 "error": f"rank {rank} missed the {timeout:.0f}s deadline for {method}"})
+            except Exception as e:
+                outcomes.append({"rank": rank, "ok": False, "error": _error_text(e)})
+        return outcomes
+
+    def collective_rpc(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list:
+        outcomes = self.call_all("collective_rpc", method, *args, timeout=timeout, **kwargs)
+        bad = [o for o in outcomes if not o["ok"]]
+        if bad:
+            raise RuntimeError("; ".join(o["error"] for o in bad))
+        return [o["result"] for o in outcomes]
+
+    def alive(self, timeout: float = 2.0) -> list[bool]:
+        outcomes = self.call_all("collective_rpc", "ping", timeout=timeout)
+        return [o["ok"] for o in outcomes]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get(self.rank0.stop.remote(), timeout=20)
+        except Exception:
+            pass
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+
+
+def _error_text(e: Exception) -> str:
+    """The innermost error message of a Ray task failure, without Ray's traceback framing."""
+    cause = getattr(e, "cause", None)
+    if cause is not None and not isinstance(cause, ray.exceptions.RayError):
+        return f"{type(cause).__name__}: {cause}"
+    if isinstance(e, ray.exceptions.RayActorError):
+        return f"rank actor died: {str(e).splitlines()[0]}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

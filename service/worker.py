@@ -1,0 +1,342 @@
+"""RankWorker: one TP rank's model shard, memory pool, KV cache and fused-tail state.
+
+Rank 0 also hosts the engine (see `engine_loop.py`): it broadcasts each step plan to the other
+ranks over the CPU process group, so there is no per-step Ray call. The other ranks run
+`follow()`, which executes whatever plan arrives until told to stop.
+
+This class knows nothing about Ray: `executor.py` wraps it in an actor.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from .engine.plan import StepPlan
+from .engine_config import EngineConfig
+from .log import get_logger
+from .parallel import TPGroup, set_cpu_threads
+
+log = get_logger("worker")
+
+
+class EngineStateError(RuntimeError):
+    """The rank cannot run a forward in its current state (asleep, weights discarded, failed)."""
+
+
+# Read-only diagnostics that collective_rpc may call (plus test hooks, see below).
+DIAGNOSTICS = ("tail_state", "weight_checksums", "memory_report", "data_ptrs", "ping", "status")
+# Hooks that change state; only for tests and verify-sleep's negative control.
+TEST_HOOKS = ("zero_tail_flags", "probe_forward", "fail_next_sleep")
+
+
+class RankWorker:
+    def __init__(self, rank: int, config: EngineConfig):
+        self.rank = rank
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self.tp = TPGroup.single()
+        self.model = None
+        self.pool = None
+        self.collective = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.weight_version = 0
+        self.failed: str | None = None
+        self.same_node = True
+        self._exec_lock = threading.Lock()
+        self._fail_next_sleep = False
+        self._follower_thread: threading.Thread | None = None
+
+    # ---- setup -----------------------------------------------------------------
+    def rendezvous_address(self) -> str:
+        """Called on rank 0: a TCP address on this node for torch.distributed."""
+        host = socket.gethostbyname(socket.gethostname()) if os.environ.get("LATENTSERVE_MULTI_NODE") else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def node_id(self) -> str:
+        try:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+        except Exception:  # not under Ray
+            return socket.gethostname()
+
+    def init(self, init_method: str, same_node: bool = True, group_name: str = "ls") -> dict:
+        t0 = time.perf_counter()
+        cfg = self.config
+        self.same_node = same_node
+        threads = set_cpu_threads(self.world_size) if cfg.device == "cpu" else None
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        self.tp = TPGroup.init(self.rank, self.world_size, init_method, backend=backend)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._build_model(group_name)
+        self._load_initial_weights()
+        self._allocate_kv_cache()
+        self.tp.barrier()
+        info = {"rank": self.rank, "threads": threads, "seconds": round(time.perf_counter() - t0, 3),
+                "tail": self.tail_summary()}
+        log.info("rank_ready", **info)
+        return info
+
+    def _build_model(self, group_name: str) -> None:
+        from .memory.pool import MemoryPool
+        from .model.model import DeepseekV3ForCausalLM
+        from .tail.base import TailRunner
+
+        cfg = self.config
+        mcfg = cfg.model_config
+        # The pool exists before the model so the tail's flags and peer table are named state in it.
+        self.pool = MemoryPool(self.device, layout=cfg.pool_layout, poison=cfg.poison_discarded)
+        self.collective = self._make_collective(group_name)
+        mode = cfg.fused_tail
+
+        def tail_factory(layer_idx: int) -> TailRunner:
+            runner = TailRunner(layer_idx, self.tp, mode, self.collective)
+            if self.collective is None and mode != "off":
+                runner.disabled_reason = self._no_fusion_reason()
+            return runner
+
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(mcfg, self.tp, tail_factory=tail_factory)
+        model = model.to(cfg.torch_dtype)
+        self.pool.materialize(model, list(cfg.sleep_preserve_parameter_names))
+        model.reset_buffers()
+        model.eval()
+        self.model = model
+
+    def _no_fusion_reason(self) -> str:
+        if self.world_size == 1:
+            return "TP 1: nothing to reduce"
+        if not self.same_node:
+            return "ranks span several nodes: the CPU fused tail needs one node's shared memory"
+        if not self.config.model_config.is_latent:
+            return "not a latent-MoE model"
+        return "fused tail unavailable"
+
+    def _make_collective(self, group_name: str):
+        cfg = self.config
+        mcfg = cfg.model_config
+        if cfg.fused_tail == "off" or self.world_size == 1 or not self.same_node or not mcfg.is_latent:
+            return None
+        if self.device.type == "cuda":
+            from .tail.triton_tail import TritonTailCollective as Collective
+        else:
+            from .tail.shm import ShmTailCollective as Collective
+        return Collective(
+            self.rank, self.world_size, max_tokens=cfg.fused_tail_max_tokens,
+            latent_dim=mcfg.moe_latent_size, hidden_dim=mcfg.hidden_size, dtype=cfg.torch_dtype,
+            state_alloc=self.pool.state, group_name=group_name, deadline_s=cfg.tail_deadline_s,
+            barrier=self.tp.barrier,
+        )
+
+    def _load_initial_weights(self) -> None:
+        from . import weights
+
+        cfg = self.config
+        if cfg.checkpoint_dir:
+            weights.load_checkpoint(self.model, cfg.model_config, self.tp, cfg.checkpoint_dir,
+                                    progress=self.rank == 0)
+        else:
+            weights.init_dummy_weights(self.model, cfg.model_config, self.tp, seed=cfg.seed)
+        self.pool.mark_weights_loaded()
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.config
+        mcfg = cfg.model_config
+        shape = (cfg.kv_blocks(), cfg.block_size, mcfg.kv_cache_dim)
+        self.kv_caches = [self.pool.allocate("kv_cache", f"kv_cache.{i}", shape, cfg.torch_dtype)
+                          for i in range(mcfg.num_hidden_layers)]
+
+    # ---- execution -----------------------------------------------------------------
+    def check_runnable(self) -> None:
+        if self.failed:
+            raise EngineStateError(f"rank {self.rank} failed earlier and needs a restart: {self.failed}")
+        asleep = self.pool.asleep_tags
+        if "weights" in asleep:
+            raise EngineStateError("the weights are asleep: call wake_up(tags=['weights']) first")
+        if "kv_cache" in asleep:
+            raise EngineStateError("the KV cache is asleep: call wake_up(tags=['kv_cache']) first")
+        if not self.pool.weights_valid:
+            raise EngineStateError("level-2 sleep discarded the weights: load new weights "
+                                   "(update_weights) before generating")
+
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        from .model.attention import AttnMetadata
+
+        with self._exec_lock, torch.inference_mode():
+            meta = AttnMetadata.build(plan.chunks, self.config.block_size, self.device)
+            ids = torch.tensor([t for c in plan.chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+            hidden = self.model(ids, meta, self.kv_caches)
+            if meta.logits_indices.numel() == 0:
+                return None
+            return self.model.compute_logits(hidden[meta.logits_indices])
+
+    def execute_step(self, plan: StepPlan) -> torch.Tensor | None:
+        """Rank 0: send the plan to every rank, then run it here too."""
+        self.check_runnable()
+        self.tp.broadcast_object(("step", plan))
+        try:
+            return self.execute(plan)
+        except Exception as e:
+            self._note_failure(e)
+            raise
+
+    def _note_failure(self, e: Exception) -> None:
+        from .tail.base import TailTimeout
+
+        if isinstance(e, TailTimeout):
+            # The Lamport state is inconsistent now; only a restart can repair it.
+            self.failed = f"{type(e).__name__}: {e}"
+        log.error("execute_failed", rank=self.rank, error=f"{type(e).__name__}: {e}")
+
+    def follow(self) -> None:
+        """Ranks > 0: execute broadcast plans until a stop message."""
+        while True:
+            kind, payload = self.tp.broadcast_object(None)
+            if kind == "stop":
+                return
+            try:
+                self.execute(payload)
+            except Exception as e:  # keep following: rank 0 reports the error to clients
+                self._note_failure(e)
+
+    def start_following(self) -> None:
+        if self.rank == 0 or self.world_size == 1:
+            return
+        self._follower_thread = threading.Thread(target=self.follow, name=f"follow-{self.rank}", daemon=True)
+        self._follower_thread.start()
+
+    def stop_followers(self) -> None:
+        if self.rank == 0 and self.world_size > 1:
+            self.tp.broadcast_object(("stop", None))
+
+    # ---- sleep -----------------------------------------------------------------
+    def sleep(self, level: int) -> dict:
+        if self._fail_next_sleep:
+            self._fail_next_sleep = False
+            raise RuntimeError(f"rank {self.rank}: injected sleep failure (test hook)")
+        with self._exec_lock:
+            report = self.pool.sleep(level) if level > 0 else {"level": 0, "noop": "level 0 only pauses"}
+        return self._report(report)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        with self._exec_lock:
+            report = self.pool.wake_up(tags)
+        return self._report(report)
+
+    def _report(self, report: dict) -> dict:
+        report = dict(report)
+        report["rank"] = self.rank
+        report["asleep"] = sorted(self.pool.asleep_tags)
+        report["weights_valid"] = self.pool.weights_valid
+        report["tail_epochs"] = self.tail_epochs()
+        return report
+
+    # ---- weights -----------------------------------------------------------------
+    def _before_weight_update(self) -> None:
+        if "weights" in self.pool.asleep_tags:
+            raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) before update_weights")
+
+    def update_weights_from_path(self, path: str, version: int) -> dict:
+        from . import weights
+
+        self._before_weight_update()
+        t0 = time.perf_counter()
+        with self._exec_lock:
+            weights.load_checkpoint(self.model, self.config.model_config, self.tp, path, progress=False)
+            return self._weights_loaded(version, t0)
+
+    def update_weights_from_tensors(self, named_tensors: list, version: int) -> dict:
+        from . import weights
+
+        self._before_weight_update()
+        t0 = time.perf_counter()
+        named = [(n, t) for n, t in named_tensors]
+        problems = weights.check_weights(self.config.model_config,
+                                         {n: (tuple(t.shape), t.dtype) for n, t in named})
+        if problems:
+            raise ValueError("weight update rejected, nothing changed: " + "; ".join(problems))
+        with self._exec_lock:
+            weights.load_weights(self.model, self.config.model_config, self.tp, named)
+            return self._weights_loaded(version, t0)
+
+    def _weights_loaded(self, version: int, t0: float) -> dict:
+        self.pool.mark_weights_loaded()
+        self.weight_version = version
+        return {"rank": self.rank, "weight_version": version, "seconds": round(time.perf_counter() - t0, 4)}
+
+    # ---- diagnostics -----------------------------------------------------------------
+    def collective_rpc(self, method: str, *args, **kwargs):
+        if method not in DIAGNOSTICS + TEST_HOOKS:
+            raise ValueError(f"unknown collective_rpc method {method!r}; allowed: {DIAGNOSTICS + TEST_HOOKS}")
+        return getattr(self, "rpc_" + method)(*args, **kwargs)
+
+    def rpc_ping(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    def rpc_tail_state(self) -> list[dict]:
+        return [r.state() for r in self.model.tail_runners()]
+
+    def tail_epochs(self) -> dict | None:
+        return self.collective.state() if self.collective is not None else None
+
+    def tail_summary(self) -> dict:
+        runners = self.model.tail_runners() if self.model is not None else []
+        return {"layers": len(runners), "fused": sum(r.fused for r in runners),
+                "reason": next((r.disabled_reason for r in runners if not r.fused), None)}
+
+    def rpc_weight_checksums(self) -> dict:
+        with torch.inference_mode():
+            total = sum(float(p.double().abs().sum()) for p in self.model.parameters())
+        return {"rank": self.rank, "weight_version": self.weight_version, "abs_sum": total}
+
+    def rpc_memory_report(self) -> dict:
+        d = self.pool.describe()
+        d["rank"] = self.rank
+        return d
+
+    def rpc_data_ptrs(self) -> dict:
+        return self.pool.data_ptrs()
+
+    def rpc_status(self) -> dict:
+        return {"rank": self.rank, "node": self.node_id(), "asleep": sorted(self.pool.asleep_tags),
+                "weights_valid": self.pool.weights_valid, "weight_version": self.weight_version,
+                "failed": self.failed, "tail": self.tail_summary(), "tail_epochs": self.tail_epochs()}
+
+    def rpc_zero_tail_flags(self) -> dict:
+        """Negative control: lose the Lamport flags as the old level 2 did."""
+        if self.collective is None:
+            raise EngineStateError("no fused tail on this rank")
+        self.collective.zero_flags()
+        return {"rank": self.rank, "tail_epochs": self.tail_epochs()}
+
+    def rpc_probe_forward(self, token_ids: list[int]) -> dict:
+        """Run one cache-less forward regardless of state (all ranks together): NaN shows stale reads."""
+        from .engine.plan import SeqChunk
+        from .model.attention import AttnMetadata
+
+        with self._exec_lock, torch.inference_mode():
+            chunks = [SeqChunk(seq_id=0, token_ids=list(token_ids), start_pos=0, block_table=[])]
+            meta = AttnMetadata.build(chunks, self.config.block_size, self.device)
+            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(self.model(ids, meta, None)[meta.logits_indices])
+        return {"rank": self.rank, "nan": bool(torch.isnan(logits).any()),
+                "argmax": int(logits[-1].nan_to_num(-1e30).argmax())}
+
+    def rpc_fail_next_sleep(self) -> dict:
+        self._fail_next_sleep = True
+        return {"rank": self.rank}
+
+    def shutdown(self) -> None:
+        if self.collective is not None:
+            self.collective.close()
+        self.tp.destroy()
