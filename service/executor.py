@@ -17,73 +17,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .engine_config import EngineConfig
 from .log import get_logger
-from .worker import RankWorker
+from .rank_actor import RankActor
 
 log = get_logger("executor")
-
-
-class RankActor(RankWorker):
-    """RankWorker plus the engine loop on rank 0 (Ray runs each method on its own thread)."""
-
-    def __init__(self, rank: int, config: EngineConfig):
-        super().__init__(rank, config)
-        self.loop = None
-
-    def start(self) -> None:
-        if self.rank != 0:
-            self.start_following()
-            return
-        from .engine.llm_engine import LLMEngine
-        from .engine_loop import EngineLoop
-        from .tokenizer import get_tokenizer
-
-        cfg = self.config
-        tokenizer = get_tokenizer(cfg.model, cfg.model_config)
-        engine = LLMEngine(
-            self.execute_step, tokenizer, block_size=cfg.block_size, num_blocks=cfg.kv_blocks(),
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len, eos_token_id=cfg.model_config.eos_token_id,
-            vocab_size=cfg.model_config.vocab_size,
-        )
-        self.loop = EngineLoop(engine, lambda: self.weight_version)
-
-    # engine-loop passthroughs (rank 0 only)
-    def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
-        self.loop.add(request_id, prompt, prompt_token_ids, params)
-
-    def abort(self, request_ids) -> None:
-        self.loop.abort(request_ids)
-
-    def poll(self, timeout: float = 1.0):
-        return self.loop.poll(timeout)
-
-    def generate(self, requests, timeout=None):
-        return self.loop.generate(requests, timeout)
-
-    def pause(self, mode: str = "wait", timeout: float = 60.0) -> dict:
-        return self.loop.pause(mode, timeout)
-
-    def resume(self) -> None:
-        self.loop.resume()
-
-    def engine_stats(self) -> dict:
-        return self.loop.stats()
-
-    def tokenizer_info(self) -> dict:
-        tok = self.loop.engine.tokenizer
-        return {"has_tokenizer": tok is not None}
-
-    def encode(self, text: str) -> list[int]:
-        return self.loop.engine.tokenizer.encode(text)
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.loop.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-    def stop(self) -> None:
-        if self.loop is not None:
-            self.loop.stop()
-            self.stop_followers()
-        self.shutdown()
 
 
 def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
@@ -156,6 +92,13 @@ class RayExecutor:
             except Exception as e:
                 outcomes.append({"rank": rank, "ok": False, "error": _error_text(e)})
         return outcomes
+
+    def rank0_call(self, method: str, *args, timeout: float | None = None):
+        """Call a method on rank 0's actor and wait for it."""
+        return ray.get(getattr(self.rank0, method).remote(*args), timeout=timeout)
+
+    def put(self, value):
+        return ray.put(value)
 
     def collective_rpc(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list:
         outcomes = self.call_all("collective_rpc", method, *args, timeout=timeout, **kwargs)

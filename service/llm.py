@@ -5,10 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import ray
-
 from .engine_config import EngineConfig
-from .executor import RayExecutor
 from .outputs import RequestOutput
 from .sampling_params import InvalidRequest, SamplingParams
 
@@ -23,18 +20,31 @@ class SleepError(RuntimeError):
         self.outcomes = outcomes
 
 
+def make_executor(config: EngineConfig, backend: str):
+    """'ray' (the product: one actor per rank) or 'uni' (TP 1 in this process, no Ray: GPU box, tools)."""
+    if backend == "ray":
+        from .executor import RayExecutor
+
+        return RayExecutor(config)
+    if backend == "uni":
+        from .local import UniExecutor
+
+        return UniExecutor(config)
+    raise ValueError(f"distributed_executor_backend must be 'ray' or 'uni', got {backend!r}")
+
+
 class LLM:
     def __init__(self, model: str = "tiny", tensor_parallel_size: int = 1, dtype: str = "auto", seed: int = 0,
                  hf_overrides: dict[str, Any] | None = None, enable_sleep_mode: bool = False,
                  sleep_preserve_parameter_names: list[str] | None = None, fused_tail: str = "auto",
-                 **kwargs):
+                 distributed_executor_backend: str = "ray", **kwargs):
         self.config = EngineConfig(
             model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             hf_overrides=hf_overrides, enable_sleep_mode=enable_sleep_mode,
             sleep_preserve_parameter_names=list(sleep_preserve_parameter_names or []),
             fused_tail=fused_tail, **kwargs,
         ).resolve()
-        self.executor = RayExecutor(self.config)
+        self.executor = make_executor(self.config, distributed_executor_backend)
         self._ids = itertools.count()
         self.weight_version = 0
 
@@ -56,7 +66,7 @@ class LLM:
                 requests.append((rid, prompt.get("prompt"), list(prompt["prompt_token_ids"]), p))
             else:
                 raise InvalidRequest("a prompt is a string or {'prompt_token_ids': [...]}")
-        return ray.get(self.executor.rank0.generate.remote(requests, timeout))
+        return self.executor.rank0_call("generate", requests, timeout)
 
     # ---- sleep -----------------------------------------------------------------
     def sleep(self, level: int = 1) -> list[dict]:
@@ -64,7 +74,7 @@ class LLM:
             raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
         if level > 0 and not self.config.enable_sleep_mode:
             raise RuntimeError("sleep mode is off: create the LLM with enable_sleep_mode=True")
-        ray.get(self.executor.rank0.pause.remote("wait"))
+        self.executor.rank0_call("pause", "wait")
         if level == 0:
             return [{"rank": r, "level": 0} for r in range(self.config.tensor_parallel_size)]
         return self._all_or_error("sleep", level)
@@ -79,7 +89,7 @@ class LLM:
         if len(epochs) > 1:
             raise SleepError(f"ranks disagree on tail epochs after wake: {sorted(epochs)}", reports)
         if not self.is_sleeping():
-            ray.get(self.executor.rank0.resume.remote())
+            self.executor.rank0_call("resume")
         return reports
 
     def is_sleeping(self) -> bool:
@@ -101,7 +111,7 @@ class LLM:
     def update_weights(self, named_tensors) -> int:
         """Full HF-named tensors (e.g. from a trainer); each rank keeps its slices."""
         version = self.weight_version + 1
-        ref = ray.put(list(named_tensors))
+        ref = self.executor.put(list(named_tensors))
         self._all_or_error("update_weights_from_tensors", ref, version)
         self.weight_version = version
         return version

@@ -269,6 +269,30 @@ class RankWorker:
             weights.load_weights(self.model, self.config.model_config, self.tp, named)
             return self._weights_loaded(version, t0)
 
+    def update_weights_from_group(self, host: str, port: int, metas: list[dict], version: int,
+                                  bucket_bytes: int, backend: str = "gloo", timeout_s: float = 120.0) -> dict:
+        """Join the trainer's sync group as rank (tp_rank + 1) and load what it broadcasts."""
+        from . import weights
+        from .weight_sync import SyncGroup, TensorMeta
+
+        self._before_weight_update()
+        t0 = time.perf_counter()
+        tmetas = [TensorMeta.from_json(m) for m in metas]
+        group = SyncGroup(host, port, self.rank + 1, self.world_size + 1, backend=backend,
+                          timeout_s=timeout_s, device=str(self.device))
+        received = 0
+        try:
+            with self._exec_lock:
+                for name, tensor in group.receive(tmetas, bucket_bytes):
+                    weights.load_weights(self.model, self.config.model_config, self.tp, [(name, tensor)])
+                    received += tensor.numel() * tensor.element_size()
+                report = self._weights_loaded(version, t0)
+        finally:
+            group.close()
+        report["bytes"] = received
+        report["gbps"] = round(received / max(report["seconds"], 1e-9) / 1e9, 3)
+        return report
+
     def _weights_loaded(self, version: int, t0: float) -> dict:
         self.pool.mark_weights_loaded()
         self.weight_version = version

@@ -1,0 +1,122 @@
+"""Weight sync over a process group: a trainer broadcasts named tensors to every TP rank.
+
+The group is made outside torch.distributed's global state (its own TCPStore and a bare
+ProcessGroupGloo/NCCL), so it coexists with the ranks' TP group and can be torn down after
+each sync. Rank 0 of the sync group is the trainer; TP rank r is sync rank r + 1.
+
+Tensors travel in buckets: each bucket is the byte concatenation of several tensors, so a
+model of many small tensors costs few broadcasts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _DTYPES[self.dtype].itemsize
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> TensorMeta:
+        if d.get("dtype") not in _DTYPES:
+            raise ValueError(f"tensor {d.get('name')!r}: dtype {d.get('dtype')!r} not one of {sorted(_DTYPES)}")
+        return cls(str(d["name"]), tuple(int(x) for x in d["shape"]), d["dtype"])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for k, v in _DTYPES.items():
+        if v == dtype:
+            return k
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+    out, cur, size = [], [], 0
+    for m in metas:
+        if cur and size + m.nbytes > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(m)
+        size += m.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SyncGroup:
+    """One side of a weight-sync group (the trainer is rank 0)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                 timeout_s: float = 120.0, device: str = "cpu"):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        prefix = dist.PrefixStore("latentserve-weight-sync", self.store)
+        if backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(prefix, rank, world_size)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        self.rank = rank
+        self.device = torch.device(device)
+
+    def _broadcast(self, buf: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([buf], opts).wait()
+
+    def send(self, named: dict[str, torch.Tensor], metas: list[TensorMeta], bucket_bytes: int) -> int:
+        """Trainer side: broadcast every tensor, bucket by bucket. Returns bytes sent."""
+        sent = 0
+        for bucket in buckets(metas, bucket_bytes):
+            flat = torch.cat([named[m.name].detach().to(self.device).contiguous().view(-1).view(torch.uint8)
+                              for m in bucket])
+            self._broadcast(flat)
+            sent += flat.numel()
+        return sent
+
+    def receive(self, metas: list[TensorMeta], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank side: yields (name, tensor) as buckets arrive."""
+        for bucket in buckets(metas, bucket_bytes):
+            flat = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8, device=self.device)
+            self._broadcast(flat)
+            off = 0
+            for m in bucket:
+                t = flat[off:off + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape)
+                off += m.nbytes
+                yield m.name, t
+
+    def close(self) -> None:
+        self.pg = None
+        self.store = None
+
+
+def describe(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    return [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in named]
