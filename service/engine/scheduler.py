@@ -1,0 +1,160 @@
+"""Continuous batching over the paged KV cache, in the style of vLLM V1.
+
+Each step gets a token budget (`max_num_batched_tokens`). Running sequences are served first,
+decodes (1 token each) before unfinished prefills, then waiting sequences are admitted in
+arrival order while the sequence limit, the budget and the free blocks allow. A prompt larger
+than what is left of the budget is prefilled in chunks over several steps; only the chunk that
+reaches the end of the known tokens asks for logits.
+
+When a running sequence cannot get a block, the most recently admitted sequence not yet in
+this step's plan is preempted by RECOMPUTE: its blocks are freed and it goes back to the front
+of the waiting queue, to be prefilled again later over prompt + output so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .plan import SeqChunk, StepPlan
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    plan: StepPlan
+    seqs: list[Sequence]  # aligned with plan.chunks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.plan.chunks
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """Sequences that get a logits row, in row order."""
+        return [s for s, c in zip(self.seqs, self.plan.chunks) if c.needs_logits]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 2:
+            raise ValueError("need max_num_seqs >= 1, max_num_batched_tokens >= 1, max_model_len >= 2")
+        # The last token of a sequence is never fed back, so max_model_len - 1 KV slots suffice. Less
+        # than that and a lone sequence could preempt itself forever.
+        capacity = block_manager.num_blocks * block_manager.block_size
+        if capacity < max_model_len - 1:
+            raise ValueError(f"the KV cache holds {capacity} tokens ({block_manager.num_blocks} blocks of "
+                             f"{block_manager.block_size}), less than max_model_len - 1 = {max_model_len - 1}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is the first victim
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Retire `seq` (stopped, length, aborted, failed) wherever it is and free its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        chunks: list[SeqChunk] = []
+        scheduled: list[Sequence] = []
+        preempted: list[Sequence] = []
+
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self._pick_victim(exclude=scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.append(seq, num_new)
+            chunks.append(self._chunk(seq, num_new))
+            scheduled.append(seq)
+            budget -= num_new
+
+        # Admitting right after a preemption would only thrash the cache.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break  # strict arrival order: a later, smaller request does not jump the queue
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, num_new))
+            scheduled.append(seq)
+            budget -= num_new
+
+        return ScheduledBatch(StepPlan(chunks), scheduled, preempted)
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Record the step's computed KV and append one sampled token per logits row.
+
+        Returns the sequences that got a new token, in row order. Stopping is the engine's call
+        (it needs the detokenized text); it retires sequences through `finish`.
+        """
+        sampled = batch.sampled_seqs
+        if len(sampled) != len(sampled_token_ids):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(sampled)} logits rows")
+        for seq, chunk in zip(batch.seqs, batch.plan.chunks):
+            seq.num_computed_tokens += len(chunk.token_ids)
+        for seq, token in zip(sampled, sampled_token_ids):
+            seq.output_token_ids.append(token)
+        return sampled
+
+    # ---- helpers ------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, num_new: int) -> SeqChunk:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        if end > self.max_model_len:
+            raise RuntimeError(f"seq {seq.seq_id} would pass max_model_len={self.max_model_len}")
+        return SeqChunk(seq_id=seq.seq_id, token_ids=seq.tokens_slice(start, end), start_pos=start,
+                        block_table=list(seq.block_table), needs_logits=end == seq.num_tokens)
+
+    def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
+        taken = {id(s) for s in exclude}
+        for seq in reversed(self.running):
+            if id(seq) not in taken:
+                return seq
+        raise RuntimeError("no preemptible sequence")  # unreachable: the caller itself is a candidate
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
