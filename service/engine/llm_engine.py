@@ -1,0 +1,309 @@
+"""The engine loop on TP rank 0: requests in, step plans to the executor, tokens and text out.
+
+The engine never sees the model. Each `step()` asks the scheduler for a `StepPlan`, hands it to
+`execute(plan) -> fp32 logits [rows with needs_logits, vocab]` (the worker broadcasts it to the
+other ranks and runs the model), samples, detokenizes, applies the stop rules and reports every
+request that progressed with its cumulative output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import InvalidRequest, SamplingParams
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .block_manager import BlockManager
+from .plan import StepPlan
+from .sampler import Sampler
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence, SequenceStatus, make_generator
+
+log = logging.getLogger(__name__)
+
+NO_TOKENIZER_NOTE = "no tokenizer for this model: outputs carry token ids only (text is None)"
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, execute: Callable[[StepPlan], torch.Tensor], tokenizer: Tokenizer | None, *,
+                 block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_id: int | None = None, vocab_size: int | None = None) -> None:
+        self.execute = execute
+        self.tokenizer = tokenizer
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+        if vocab_size is None and tokenizer is not None:
+            vocab_size = tokenizer.vocab_size
+        self.eos_token_id = eos_token_id
+        # Prompt ids are checked against this; the worker passes the model's own vocab_size.
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.sampler = Sampler()
+        self.weight_version = 0  # set by the worker after a weight update; tags every output
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []  # reported at the next step (aborts, foreign outputs)
+        self._seq_ids = itertools.count()
+        self._gen_ids = itertools.count()
+        self._lock = threading.RLock()
+        self.num_steps = 0
+        self.num_failed_steps = 0
+        if tokenizer is None:
+            log.warning(NO_TOKENIZER_NOTE)
+
+    # ---- requests -----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams) -> None:
+        with self._lock:
+            ids = self._validate(request_id, prompt, prompt_token_ids, params)
+            seqs = []
+            for index in range(params.n):
+                seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index,
+                               prompt_token_ids=list(ids), params=params,
+                               generator=make_generator(params.seed, index),
+                               logprobs=[] if params.logprobs is not None else None)
+                if self.tokenizer is not None:
+                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                seqs.append(seq)
+            self._requests[request_id] = _Request(request_id, prompt, list(ids), params, seqs)
+            for seq in seqs:
+                self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its final output (finish_reason "abort") comes with the next step()."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                return False
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._pending.append(self._output(req))
+            return True
+
+    def abort_all(self) -> int:
+        with self._lock:
+            return sum(self.abort_request(rid) for rid in list(self._requests))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._requests or self._pending)
+
+    # ---- the loop -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            outputs, self._pending = self._pending, []
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return outputs
+            self.num_steps += 1
+            try:
+                sampled = self._run(batch)
+            except Exception as exc:  # any executor failure ends the running requests, not the engine
+                return outputs + self._fail_running(exc)
+            touched: dict[str, _Request] = {}
+            for seq, (token, logprobs) in zip(self.scheduler.postprocess(batch, sampled.token_ids),
+                                              zip(sampled.token_ids, sampled.logprobs)):
+                if seq.logprobs is not None:
+                    seq.logprobs.append(logprobs)
+                self._after_token(seq, token)
+                touched[seq.request_id] = self._requests[seq.request_id]
+            for req in touched.values():
+                outputs.append(self._output(req))
+                if req.finished:
+                    del self._requests[req.request_id]
+            return outputs
+
+    def generate(self, requests: Iterable[str | list[int] | tuple[str | list[int], SamplingParams]],
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Offline convenience: run until the given requests finish; final outputs in input order.
+
+        Each item is a text prompt, a list of token ids, or (prompt, SamplingParams); `params`
+        (default: SamplingParams()) applies to bare prompts. Outputs of other requests met on the
+        way are kept for the next step().
+        """
+        with self._lock:
+            ids: list[str] = []
+            try:
+                for item in requests:
+                    prompt, item_params = item if isinstance(item, tuple) else (item, params or SamplingParams())
+                    rid = f"generate-{next(self._gen_ids)}"
+                    text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+                    self.add_request(rid, text, token_ids, item_params)
+                    ids.append(rid)
+            except InvalidRequest:
+                for rid in ids:  # all or nothing
+                    self._drop(rid)
+                raise
+            wanted, final = set(ids), {}
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.request_id not in wanted:
+                        self._pending.append(out)
+                    elif out.finished:
+                        final[out.request_id] = out
+            return [final[rid] for rid in ids]
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "requests": len(self._requests),
+                "free_blocks": self.block_manager.num_free_blocks,
+                "num_blocks": self.block_manager.num_blocks,
+                "block_size": self.block_manager.block_size,
+                "preemptions": self.scheduler.num_preemptions,
+                "steps": self.num_steps,
+                "failed_steps": self.num_failed_steps,
+                "weight_version": self.weight_version,
+                "tokenizer": None if self.tokenizer is None else "loaded",
+                "note": NO_TOKENIZER_NOTE if self.tokenizer is None else None,
+            }
+
+    # ---- internals ----------------------------------------------------------------
+    def _run(self, batch: ScheduledBatch):
+        rows = batch.sampled_seqs
+        logits = self.execute(batch.plan)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(rows):
+            shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise RuntimeError(f"executor returned logits {shape}, expected [{len(rows)}, vocab]")
+        return self.sampler(logits, [s.params for s in rows], [s.generator for s in rows])
+
+    def _fail_running(self, exc: Exception) -> list[RequestOutput]:
+        """The KV of running sequences may be half-written: end their requests, keep the engine."""
+        self.num_failed_steps += 1
+        message = f"model execution failed: {type(exc).__name__}: {exc}"
+        log.error("%s", message, exc_info=exc)
+        failed = {s.request_id for s in self.scheduler.running}
+        outputs = []
+        for rid in failed:
+            req = self._requests.pop(rid)
+            req.error = message
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request without reporting it."""
+        for seq in self._requests.pop(request_id).seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def _after_token(self, seq: Sequence, token: int) -> None:
+        """Detokenize the new token and retire the sequence if a stop rule fires (vLLM's order)."""
+        params = seq.params
+        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
+        seq.output_text += delta
+        status = None
+        if not params.ignore_eos and token == self.eos_token_id:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif params.stop_list and self._stop_string(seq, len(delta)):
+            status = SequenceStatus.FINISHED_STOPPED
+        elif seq.num_tokens >= self.max_model_len or (
+                params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is None:
+            return
+        if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+            seq.output_text += seq.detokenizer.flush()
+        self.scheduler.finish(seq, status)
+
+    @staticmethod
+    def _stop_string(seq: Sequence, delta_len: int) -> bool:
+        """Find a stop string that the new text completes; cut the text there."""
+        text, params = seq.output_text, seq.params
+        best: tuple[int, str] | None = None
+        for stop in params.stop_list:
+            # Only a match overlapping the new text is new; older text was checked before.
+            idx = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        seq.output_text = text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
+        seq.stop_reason = stop
+        return True
+
+    def _output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            text = None
+            if self.tokenizer is not None:
+                text = seq.output_text
+                hold = max((len(s) for s in req.params.stop_list), default=1) - 1
+                if hold and not seq.is_finished:
+                    # The tail might be the start of a stop string that a later token completes:
+                    # holding it back keeps streamed text from ever shrinking.
+                    text = text[:max(0, len(text) - hold)]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+                             outputs=completions, finished=req.finished, weight_version=self.weight_version,
+                             error=req.error)
+
+    def _validate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                  params: SamplingParams) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.n > self.scheduler.max_num_seqs:
+            raise InvalidRequest(f"n={params.n} is larger than max_num_seqs={self.scheduler.max_num_seqs}")
+        if params.stop_list and self.tokenizer is None:
+            raise InvalidRequest(f"stop strings need a tokenizer; {NO_TOKENIZER_NOTE} - use stop_token_ids")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequest("either prompt or prompt_token_ids is required")
+            if not isinstance(prompt, str):
+                raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise InvalidRequest(f"a text prompt needs a tokenizer; {NO_TOKENIZER_NOTE} - send prompt_token_ids")
+            if not prompt:
+                raise InvalidRequest("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = prompt_token_ids
+            if not isinstance(ids, list | tuple) or any(type(t) is not int for t in ids):
+                raise InvalidRequest("prompt_token_ids must be a list of integers")
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                                 f"room to generate (the prompt must be shorter than max_model_len)")
+        return list(ids)

@@ -1,0 +1,334 @@
+"""LLMEngine end to end with a real scheduler, block manager, sampler and tokenizer.
+
+The model is a small deterministic stand-in (`PagedToyModel`) that behaves like the real one
+where the engine is concerned: it writes each chunk's per-token KV into a paged store at the
+slots given by the plan's block table, and computes logits only from the KV it reads back
+through that table. A wrong block table, a stale or overwritten block, or a recompute that does
+not rebuild the cache raises (the engine then fails the request) or changes the tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.engine.llm_engine import LLMEngine
+from service.engine.plan import StepPlan
+from service.sampling_params import InvalidRequest, SamplingParams
+from service.tokenizer import build_tiny_tokenizer
+
+VOCAB = 1024
+TOK = build_tiny_tokenizer(VOCAB)
+
+
+class PagedToyModel:
+    def __init__(self, *, num_blocks: int, block_size: int, vocab: int = VOCAB, dim: int = 32,
+                 max_len: int = 512, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
+        self.vocab = vocab
+        self.embed = torch.randn(vocab, dim, generator=g)
+        self.pos = torch.randn(max_len, dim, generator=g)
+        self.w_in = torch.randn(dim, 64, generator=g) / dim**0.5
+        self.w_out = torch.randn(64, vocab, generator=g) * 3.0
+        # NaN, so reading a slot nobody wrote poisons the logits instead of reading zeros.
+        self.kv = torch.full((num_blocks * block_size, dim), float("nan"))
+        self.history: dict[int, list[int]] = {}  # the truth per seq_id, to check the paged KV
+        self.plans: list[StepPlan] = []
+
+    def _kv(self, tokens: list[int], start: int) -> torch.Tensor:
+        return self.embed[tokens] + self.pos[start:start + len(tokens)]
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def __call__(self, plan: StepPlan) -> torch.Tensor:
+        self.plans.append(plan)
+        rows = []
+        for c in plan.chunks:
+            seen = self.history.get(c.seq_id, [])
+            assert c.start_pos <= len(seen), f"seq {c.seq_id} skips positions {len(seen)}..{c.start_pos}"
+            history = seen[:c.start_pos] + c.token_ids  # start_pos 0 again after a preemption
+            self.history[c.seq_id] = history
+            end = c.start_pos + len(c.token_ids)
+            self.kv[self._slots(c.block_table, c.start_pos, end)] = self._kv(c.token_ids, c.start_pos)
+            if not c.needs_logits:
+                continue
+            context = self.kv[self._slots(c.block_table, 0, end)]
+            if not torch.equal(context, self._kv(history, 0)):
+                raise AssertionError(f"seq {c.seq_id}: KV read through block table {c.block_table} is not its history")
+            rows.append(self.logits(context))
+        return torch.stack(rows) if rows else torch.empty(0, self.vocab)
+
+    def logits(self, context: torch.Tensor) -> torch.Tensor:
+        # Recent tokens weigh most, but every token in the context counts.
+        weights = 0.85 ** torch.arange(len(context) - 1, -1, -1, dtype=torch.float32)
+        h = (weights.unsqueeze(1) * context).sum(0) / weights.sum()
+        return torch.tanh(h @ self.w_in) @ self.w_out
+
+
+def make_engine(*, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                tokenizer=TOK, eos_token_id=None, model=None, **kw):
+    model = model or PagedToyModel(num_blocks=num_blocks, block_size=block_size)
+    engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                       eos_token_id=eos_token_id, vocab_size=VOCAB, **kw)
+    return engine, model
+
+
+PROMPTS = [
+    "The model reads a sequence of tokens",
+    "Good morning! How are you",
+    "Weights are loaded from disk",
+    "In winter the road over the mountain",
+    "こんにちは 🙂 naïve café",
+    "A good test fails when the code is wrong",
+]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=1, max_tokens=18, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=22, ignore_eos=True),
+    SamplingParams(temperature=1.2, top_p=0.7, seed=3, max_tokens=16, ignore_eos=True),
+    SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=14, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True),
+]
+
+
+def solo(prompt, params, **kw):
+    engine, _ = make_engine(**kw)
+    (out,) = engine.generate([(prompt, params)])
+    return out
+
+
+def tokens(out):
+    return [c.token_ids for c in out.outputs]
+
+
+@pytest.fixture(scope="module")
+def solo_outputs():
+    return [solo(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+
+
+def test_continuous_batching_matches_solo_runs(solo_outputs):
+    engine, model = make_engine()
+    arrivals = {0: [0, 1], 3: [2], 4: [3, 4], 9: [5]}  # step -> request indices
+    final, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i in arrivals.get(step, []):
+            engine.add_request(f"r{i}", PROMPTS[i], None, PARAMS[i])
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    assert len(final) == len(PROMPTS)
+    # Requests really overlapped: some plan mixes a prefill with decodes.
+    assert any(len(p.chunks) > 1 and any(len(c.token_ids) > 1 for c in p.chunks) for p in model.plans)
+    for i, ref in enumerate(solo_outputs):
+        got = final[f"r{i}"]
+        assert tokens(got) == tokens(ref), f"request {i}"
+        assert [c.text for c in got.outputs] == [c.text for c in ref.outputs]
+        assert all(c.finish_reason == "length" for c in got.outputs)
+    # n=2 with one seed: the two samples use seed and seed + 1, so they differ.
+    assert final["r4"].outputs[0].token_ids != final["r4"].outputs[1].token_ids
+    assert engine.stats()["free_blocks"] == 64
+
+
+def test_preemption_by_recompute_completes_identically(solo_outputs):
+    # 12 blocks of 4 = 48 slots for six requests that each grow past 20 tokens.
+    engine, model = make_engine(num_blocks=12, block_size=4, max_model_len=48)
+    outs = engine.generate(list(zip(PROMPTS, PARAMS)))
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["free_blocks"] == 12 and stats["running"] == stats["waiting"] == 0
+    # A preempted sequence was prefilled again from position 0 over prompt + output.
+    restarted = [c for p in model.plans[1:] for c in p.chunks if c.start_pos == 0 and len(c.token_ids) > 1]
+    assert len(restarted) > len(PROMPTS) + 1
+    for out, ref in zip(outs, solo_outputs):
+        assert out.error is None
+        assert tokens(out) == tokens(ref)
+
+
+def test_chunked_prefill_equals_unchunked():
+    prompt = " ".join(PROMPTS) * 2
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True)
+    whole, whole_model = make_engine(max_num_batched_tokens=512, max_model_len=300, num_blocks=80)
+    chunked, chunked_model = make_engine(max_num_batched_tokens=16, max_model_len=300, num_blocks=80)
+    (a,) = whole.generate([(prompt, params)])
+    (b,) = chunked.generate([(prompt, params)])
+    n_prompt = len(a.prompt_token_ids)
+    assert n_prompt > 100
+    assert len(whole_model.plans[0].chunks[0].token_ids) == n_prompt
+    partial = [c for p in chunked_model.plans for c in p.chunks if not c.needs_logits]
+    assert len(partial) == (n_prompt - 1) // 16 and all(len(c.token_ids) == 16 for c in partial)
+    assert tokens(a) == tokens(b) and a.outputs[0].text == b.outputs[0].text
+
+
+def test_max_tokens_and_max_model_len_give_length():
+    (out,) = make_engine()[0].generate([(PROMPTS[0], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))])
+    assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
+    engine, _ = make_engine(max_model_len=20)
+    (out,) = engine.generate([([5] * 15, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))])
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+def _reference(prompt=PROMPTS[1], **params):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **params)
+    (out,) = make_engine()[0].generate([(prompt, params)])
+    return out.outputs[0]
+
+
+def test_stop_token_ids_and_eos():
+    ref = _reference()
+    k = next(i for i in range(3, 30) if ref.token_ids[i] not in ref.token_ids[:i])
+    stop_id = ref.token_ids[k]
+    (out,) = make_engine()[0].generate([(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]))])
+    c = out.outputs[0]
+    assert c.token_ids == ref.token_ids[:k + 1] and c.finish_reason == "stop" and c.stop_reason == stop_id
+    # The same token as EOS: a stop with stop_reason None, unless ignore_eos.
+    (out,) = make_engine(eos_token_id=stop_id)[0].generate([(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30))])
+    c = out.outputs[0]
+    assert c.token_ids == ref.token_ids[:k + 1] and c.finish_reason == "stop" and c.stop_reason is None
+    (out,) = make_engine(eos_token_id=stop_id)[0].generate(
+        [(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))])
+    assert out.outputs[0].token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_truncate_text(include):
+    ref = _reference()
+    text = ref.text
+    assert len(text) > 20
+    stop = text[8:11]
+    cut = text.find(stop)
+    engine, _ = make_engine()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=["never-seen", stop],
+                            include_stop_str_in_output=include)
+    engine.add_request("s", PROMPTS[1], None, params)
+    streamed = []
+    while engine.has_unfinished():
+        streamed += [o.outputs[0].text for o in engine.step()]
+    # Streamed text only grows, and never shows a stop string that gets cut later.
+    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))
+    final = streamed[-1]
+    assert final == text[:cut + (len(stop) if include else 0)]
+
+
+def test_stop_string_result_details():
+    ref = _reference()
+    stop = ref.text[8:11]
+    (out,) = make_engine()[0].generate([(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, stop=stop))])
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.token_ids == ref.token_ids[:len(c.token_ids)] and len(c.token_ids) < 30
+    assert TOK.decode(c.token_ids).find(stop) >= 0  # tokens are kept; only the text is cut
+
+
+def test_logprobs_in_outputs():
+    engine, model = make_engine()
+    (out,) = engine.generate([(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3))])
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4
+    ids = out.prompt_token_ids + c.token_ids
+    for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        n = len(out.prompt_token_ids) + i
+        expected = torch.log_softmax(model.logits(model._kv(ids[:n], 0)), -1)
+        assert tok in lp and len(lp) == 3  # greedy: the chosen token is the top one
+        for t, v in lp.items():
+            assert v == pytest.approx(expected[t].item(), abs=1e-5)
+
+
+def test_invalid_requests_are_refused_with_reasons():
+    engine, _ = make_engine(max_model_len=32, max_num_seqs=4)
+    sp = SamplingParams()
+    cases = [
+        (("a", "", None, sp), "empty"),
+        (("a", None, [], sp), "empty"),
+        (("a", None, None, sp), "either prompt or prompt_token_ids"),
+        (("a", None, [1, VOCAB], sp), "outside the vocabulary"),
+        (("a", None, [1, -2], sp), "outside the vocabulary"),
+        (("a", None, [1, 2.5], sp), "list of integers"),
+        (("a", None, [3] * 32, sp), "max_model_len"),
+        (("a", "hello", None, SamplingParams(n=5)), "max_num_seqs"),
+        (("", "hello", None, sp), "request_id"),
+    ]
+    for args, reason in cases:
+        with pytest.raises(InvalidRequest, match=reason):
+            engine.add_request(*args)
+    engine.add_request("dup", "hello", None, sp)
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("dup", "hello", None, sp)
+    with pytest.raises(InvalidRequest, match="no tokenizer"):
+        make_engine(tokenizer=None)[0].add_request("t", "hello", None, sp)
+    with pytest.raises(InvalidRequest, match="stop strings need a tokenizer"):
+        make_engine(tokenizer=None)[0].add_request("t", None, [1, 2], SamplingParams(stop="x"))
+    # A failed generate() leaves nothing behind.
+    with pytest.raises(InvalidRequest):
+        engine.generate(["fine", ""])
+    assert engine.stats()["requests"] == 1
+
+
+def test_without_tokenizer_token_ids_only():
+    engine, _ = make_engine(tokenizer=None)
+    assert engine.stats()["note"] and "text is None" in engine.stats()["note"]
+    (out,) = engine.generate([([0, 5, 9, 700], SamplingParams(temperature=0, max_tokens=5))])
+    with_tok, _ = make_engine()
+    (ref,) = with_tok.generate([([0, 5, 9, 700], SamplingParams(temperature=0, max_tokens=5))])
+    assert out.outputs[0].text is None and out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_abort_reports_and_frees_blocks():
+    engine, _ = make_engine()
+    engine.add_request("keep", PROMPTS[0], None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.add_request("drop", PROMPTS[1], None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort_request("drop") and not engine.abort_request("drop")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["drop"].finished and outs["drop"].outputs[0].finish_reason == "abort"
+    assert len(outs["drop"].outputs[0].token_ids) == 2
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert outs["keep"].outputs[0].finish_reason == "length"
+    assert engine.stats()["free_blocks"] == 64
+
+
+def test_executor_error_fails_running_requests_and_engine_recovers(solo_outputs):
+    model = PagedToyModel(num_blocks=64, block_size=4)
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("rank 3: fused tail timed out")
+        return model(plan)
+
+    engine, _ = make_engine(model=flaky, max_num_seqs=2)
+    for i in range(4):
+        engine.add_request(f"r{i}", PROMPTS[i], None, PARAMS[i])
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert {r for r, o in final.items() if o.outputs[0].finish_reason == "error"} == {"r0", "r1"}
+    assert "fused tail timed out" in final["r0"].error and final["r0"].finished
+    # Requests that were waiting, and new ones, run normally afterwards.
+    assert tokens(final["r2"]) == tokens(solo_outputs[2]) and tokens(final["r3"]) == tokens(solo_outputs[3])
+    (again,) = engine.generate([(PROMPTS[0], PARAMS[0])])
+    assert tokens(again) == tokens(solo_outputs[0])
+    assert engine.stats()["failed_steps"] == 1 and engine.stats()["free_blocks"] == 64
+
+
+def test_a_wrong_block_table_is_caught():
+    """The stand-in must be able to fail: swap two sequences' tables and the engine reports it."""
+    model = PagedToyModel(num_blocks=64, block_size=4)
+
+    def swapping(plan):
+        if len(plan.chunks) == 2 and all(len(c.token_ids) == 1 for c in plan.chunks):
+            a, b = plan.chunks
+            a.block_table, b.block_table = b.block_table, a.block_table
+        return model(plan)
+
+    engine, _ = make_engine(model=swapping)
+    outs = engine.generate([(PROMPTS[0], PARAMS[0]), (PROMPTS[5], PARAMS[5])])
+    assert all(o.outputs[0].finish_reason == "error" and o.error for o in outs)
