@@ -332,3 +332,32 @@ def test_a_wrong_block_table_is_caught():
     engine, _ = make_engine(model=swapping)
     outs = engine.generate([(PROMPTS[0], PARAMS[0]), (PROMPTS[5], PARAMS[5])])
     assert all(o.outputs[0].finish_reason == "error" and o.error for o in outs)
+
+
+def test_preempt_all_then_lost_kv_recomputes_identically(solo_outputs):
+    """What a pause(keep) + KV-cache sleep does: the cache contents vanish mid-generation."""
+    engine, model = make_engine()
+    for i in range(4):
+        engine.add_request(f"r{i}", PROMPTS[i], None, PARAMS[i])
+    final = {}
+    for _ in range(6):
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.preempt_all() == 4 and engine.stats()["free_blocks"] == 64
+    model.kv.fill_(float("nan"))  # released and re-mapped memory
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    for i in range(4):
+        assert final[f"r{i}"].error is None and tokens(final[f"r{i}"]) == tokens(solo_outputs[i])
+
+
+def test_abort_all_with_reason_and_drain_outputs():
+    engine, _ = make_engine()
+    for i in range(3):
+        engine.add_request(f"r{i}", PROMPTS[i], None, PARAMS[i])
+    engine.step()
+    assert engine.num_unfinished() == 3
+    assert sorted(engine.abort_all("aborted: the engine is going to sleep")) == ["r0", "r1", "r2"]
+    outs = engine.drain_outputs()
+    assert len(outs) == 3 and all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert "sleep" in outs[0].error
+    assert not engine.has_unfinished() and engine.step() == [] and engine.stats()["free_blocks"] == 64

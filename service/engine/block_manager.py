@@ -53,9 +53,11 @@ class BlockManager:
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
-            if self._owner.pop(block, None) != seq.seq_id:
+        for block in seq.block_table:  # check all first: a bad free must not half-apply
+            if self._owner.get(block) != seq.seq_id:
                 raise RuntimeError(f"block {block} freed by seq {seq.seq_id}, which does not own it")
+        for block in seq.block_table:
+            del self._owner[block]
             self._free.append(block)
         seq.block_table = []
 

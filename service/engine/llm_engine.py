@@ -91,8 +91,9 @@ class LLMEngine:
             for seq in seqs:
                 self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request; its final output (finish_reason "abort") comes with the next step()."""
+    def abort_request(self, request_id: str, reason: str | None = None) -> bool:
+        """Stop a request; its final output (finish_reason "abort", `reason` in its error field)
+        comes with the next step() or drain_outputs()."""
         with self._lock:
             req = self._requests.pop(request_id, None)
             if req is None:
@@ -100,16 +101,37 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            req.error = reason
             self._pending.append(self._output(req))
             return True
 
-    def abort_all(self) -> int:
+    def abort_all(self, reason: str | None = None) -> list[str]:
+        """Abort every unfinished request; returns their ids."""
         with self._lock:
-            return sum(self.abort_request(rid) for rid in list(self._requests))
+            ids = list(self._requests)
+            for rid in ids:
+                self.abort_request(rid, reason)
+            return ids
+
+    def preempt_all(self) -> int:
+        """Drop the KV of every running sequence (the cache is about to sleep); requests stay and
+        are recomputed after wake with the same tokens. Returns how many sequences moved."""
+        with self._lock:
+            return self.scheduler.preempt_all()
+
+    def drain_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside step() (aborts) that no step has reported yet."""
+        with self._lock:
+            outputs, self._pending = self._pending, []
+            return outputs
 
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._requests or self._pending)
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._requests)
 
     # ---- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

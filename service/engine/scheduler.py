@@ -75,6 +75,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def preempt_all(self) -> int:
+        """Send every running sequence back to the waiting queue (e.g. the KV cache is about to be
+        released by sleep); they are recomputed, in their admission order, once it is back."""
+        victims = list(reversed(self.running))
+        for seq in victims:
+            self._preempt(seq)
+        return len(victims)
+
     # ---- one step -----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
