@@ -73,6 +73,10 @@ class CpuBackend:
             raise ValueError("only comm chunks are shareable")
         return os.dup(region.fd)
 
+    def import_fd(self, fd: int, nbytes: int) -> torch.Tensor:
+        """Map a peer's exported comm buffer into this process (uint8 tensor of nbytes)."""
+        return torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+
     def free_memory(self) -> int:
         with open("/proc/meminfo") as f:
             for line in f:

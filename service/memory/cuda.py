@@ -78,9 +78,10 @@ class CudaBackend:
             prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         return prop
 
-    def _map(self, region: CudaRegion, offset: int, size: int) -> None:
+    def _map(self, region: CudaRegion, offset: int, size: int, handle=None) -> None:
         drv = _driver()
-        handle = _check("cuMemCreate", drv.cuMemCreate(size, self._prop(region.shareable), 0))
+        if handle is None:
+            handle = _check("cuMemCreate", drv.cuMemCreate(size, self._prop(region.shareable), 0))
         try:
             _check("cuMemMap", drv.cuMemMap(region.address + offset, size, 0, handle, 0))
         except CudaDriverError:
@@ -107,7 +108,14 @@ class CudaBackend:
             self._map(region, region.mapped, nbytes - region.mapped)
         region.mapped = nbytes
         if region.base is None:  # torch asks the driver which device owns the pointer: map first
-            region.base = torch.as_tensor(_DeviceSpan(region, region.capacity), device=self.device)
+            region.base = self._wrap(region, region.capacity)
+
+    def _wrap(self, region: CudaRegion, nbytes: int) -> torch.Tensor:
+        base = torch.as_tensor(_DeviceSpan(region, nbytes))  # no device=: never a copy
+        if base.device != self.device or base.data_ptr() != region.address:
+            raise CudaDriverError(f"cuMem wrap: torch sees {base.device} at {base.data_ptr():#x}, "
+                                  f"expected {self.device} at {region.address:#x}")
+        return base
 
     def view(self, region: CudaRegion, offset: int, nbytes: int) -> torch.Tensor:
         return region.base[offset:offset + nbytes]
@@ -150,6 +158,21 @@ class CudaBackend:
         fd = _check("cuMemExportToShareableHandle", drv.cuMemExportToShareableHandle(
             region.handles[0][2], drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
         return int(fd)
+
+    def import_fd(self, fd: int, nbytes: int) -> torch.Tensor:
+        """Map a peer's exported comm allocation into this process (uint8 tensor of nbytes).
+
+        The caller may close fd afterwards; the mapping lives as long as the tensor's region."""
+        drv = _driver()
+        size = -(-nbytes // self.granularity) * self.granularity
+        with torch.cuda.device(self.index):
+            handle = _check("cuMemImportFromShareableHandle", drv.cuMemImportFromShareableHandle(
+                fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+            region = self.reserve(size)
+            self._map(region, 0, size, handle)
+        region.mapped = size
+        region.base = self._wrap(region, size)
+        return region.base[:nbytes]
 
     def free_memory(self) -> int:
         with torch.cuda.device(self.index):

@@ -229,6 +229,10 @@ class MemoryPool:
             raise ValueError(f"{name!r} is not a comm buffer")
         return self.backend.export_fd(entry.chunk.region)
 
+    def map_peer_fd(self, fd: int, nbytes: int) -> torch.Tensor:
+        """Map a peer's comm buffer (from its `export_fd`, passed over a socket) as a uint8 tensor."""
+        return self.backend.import_fd(fd, nbytes)
+
     # ---- sleep and wake --------------------------------------------------------------------
 
     @property
