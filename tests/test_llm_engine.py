@@ -43,7 +43,7 @@ class PagedToyModel:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def __call__(self, plan: StepPlan) -> torch.Tensor:
+    def __call__(self, plan: StepPlan) -> torch.Tensor | None:
         self.plans.append(plan)
         rows = []
         for c in plan.chunks:
@@ -59,7 +59,7 @@ class PagedToyModel:
             if not torch.equal(context, self._kv(history, 0)):
                 raise AssertionError(f"seq {c.seq_id}: KV read through block table {c.block_table} is not its history")
             rows.append(self.logits(context))
-        return torch.stack(rows) if rows else torch.empty(0, self.vocab)
+        return torch.stack(rows) if rows else None  # as the worker does when no chunk needs logits
 
     def logits(self, context: torch.Tensor) -> torch.Tensor:
         # Recent tokens weigh most, but every token in the context counts.
@@ -361,3 +361,24 @@ def test_abort_all_with_reason_and_drain_outputs():
     assert len(outs) == 3 and all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
     assert "sleep" in outs[0].error
     assert not engine.has_unfinished() and engine.step() == [] and engine.stats()["free_blocks"] == 64
+
+
+def test_nan_logits_fail_only_their_request(solo_outputs):
+    model = PagedToyModel(num_blocks=64, block_size=4)
+    seen = {"n": 0}
+
+    def poisoning(plan):
+        logits = model(plan)
+        rows = [c.seq_id for c in plan.chunks if c.needs_logits]
+        if 0 in rows:
+            seen["n"] += 1
+            if seen["n"] == 4:  # seq 0's fourth token: as if it read released, NaN-poisoned memory
+                logits[rows.index(0)] = float("nan")
+        return logits
+
+    engine, _ = make_engine(model=poisoning)
+    a, b = engine.generate([(PROMPTS[0], PARAMS[0]), (PROMPTS[1], PARAMS[1])])
+    assert a.outputs[0].finish_reason == "error" and "NaN" in a.error
+    assert a.outputs[0].token_ids == solo_outputs[0].outputs[0].token_ids[:3]
+    assert b.error is None and tokens(b) == tokens(solo_outputs[1])
+    assert engine.stats()["free_blocks"] == 64

@@ -21,7 +21,7 @@ from ..sampling_params import InvalidRequest, SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .block_manager import BlockManager
 from .plan import StepPlan
-from .sampler import Sampler
+from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus, make_generator
 
@@ -142,17 +142,30 @@ class LLMEngine:
                 return outputs
             self.num_steps += 1
             try:
-                sampled = self._run(batch)
+                sampled, nan_rows = self._run(batch)
             except Exception as exc:  # any executor failure ends the running requests, not the engine
-                return outputs + self._fail_running(exc)
+                self.num_failed_steps += 1
+                log.error("model execution failed", exc_info=exc)
+                running = dict.fromkeys(s.request_id for s in self.scheduler.running)
+                return outputs + self._fail(running, f"model execution failed: {type(exc).__name__}: {exc}")
             touched: dict[str, _Request] = {}
-            for seq, (token, logprobs) in zip(self.scheduler.postprocess(batch, sampled.token_ids),
-                                              zip(sampled.token_ids, sampled.logprobs)):
+            poisoned: dict[str, None] = {}
+            rows = self.scheduler.postprocess(batch, sampled.token_ids)
+            for i, (seq, token, logprobs) in enumerate(zip(rows, sampled.token_ids, sampled.logprobs)):
+                if i in nan_rows:
+                    seq.output_token_ids.pop()  # sampled from NaN: not a token of this request
+                    poisoned[seq.request_id] = None
+                    continue
                 if seq.logprobs is not None:
                     seq.logprobs.append(logprobs)
                 self._after_token(seq, token)
                 touched[seq.request_id] = self._requests[seq.request_id]
+            if poisoned:
+                # Garbage in the model (stale memory, weights not loaded): say so, emit no token.
+                outputs += self._fail(poisoned, "the model returned NaN logits (weights or KV cache not valid?)")
             for req in touched.values():
+                if req.request_id in poisoned:
+                    continue
                 outputs.append(self._output(req))
                 if req.finished:
                     del self._requests[req.request_id]
@@ -206,22 +219,21 @@ class LLMEngine:
             }
 
     # ---- internals ----------------------------------------------------------------
-    def _run(self, batch: ScheduledBatch):
+    def _run(self, batch: ScheduledBatch) -> tuple[SamplerOutput, set[int]]:
         rows = batch.sampled_seqs
         logits = self.execute(batch.plan)
+        if logits is None and not rows:  # a step of partial prefill chunks only: nothing to sample
+            return SamplerOutput([], []), set()
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(rows):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise RuntimeError(f"executor returned logits {shape}, expected [{len(rows)}, vocab]")
-        return self.sampler(logits, [s.params for s in rows], [s.generator for s in rows])
+        nan_rows = set(torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist())
+        return self.sampler(logits, [s.params for s in rows], [s.generator for s in rows]), nan_rows
 
-    def _fail_running(self, exc: Exception) -> list[RequestOutput]:
-        """The KV of running sequences may be half-written: end their requests, keep the engine."""
-        self.num_failed_steps += 1
-        message = f"model execution failed: {type(exc).__name__}: {exc}"
-        log.error("%s", message, exc_info=exc)
-        failed = {s.request_id for s in self.scheduler.running}
+    def _fail(self, request_ids: Iterable[str], message: str) -> list[RequestOutput]:
+        """End these requests with finish_reason "error"; their KV may be half-written or garbage."""
         outputs = []
-        for rid in failed:
+        for rid in request_ids:
             req = self._requests.pop(rid)
             req.error = message
             for seq in req.seqs:
