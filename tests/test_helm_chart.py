@@ -346,6 +346,7 @@ def test_chart_example_matches_its_bare_metal_recipe(example):
     assert env["LATENTSERVE_PRESERVE_GLOBS"].split() == ls["sleepMode"]["preserveParameterNames"]
     assert env["LATENTSERVE_FUSED_TAIL"] == ls["fusedTail"] and env["LATENTSERVE_DTYPE"] == ls["dtype"]
     assert int(env.get("LATENTSERVE_MAX_MODEL_LEN") or 0) == (ls.get("maxModelLen") or 0)
+    assert env.get("LATENTSERVE_EXTRA_ARGS", "").split() == [str(a) for a in ls["extraArgs"]]
     # The ranks get the same NCCL/NVLink environment on Kubernetes as on bare metal.
     rc = one(render(yaml.safe_load(example.read_text())), "RayCluster")
     pod_env = env_of(container(gpu_group(rc, merged["worker"]["groupName"])["template"]))
