@@ -1,0 +1,235 @@
+"""DeepSeek multi-head latent attention (MLA) over a paged cache of the compressed KV.
+
+Per layer the cache is `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` holding
+[normed c_kv | roped k_pe] for every token, replicated on every TP rank (it has no head dim).
+
+Prefill chunks expand the cached latents to per-head keys/values (cheap when the chunk is
+long); single-token chunks (decodes) run batched in the absorbed form, where the query is
+moved into the latent space (q_nope . W_UK) and the output comes back through W_UV, so the
+context is read once as latents and never expanded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..engine.plan import SeqChunk
+from ..parallel import TPGroup
+from .layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    apply_rope,
+    softmax_scale,
+)
+
+# transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int]:
+    return (num_blocks, block_size, cfg.kv_cache_dim)
+
+
+@dataclass
+class AttnMetadata:
+    """Everything attention needs about one step's batch of chunks, built once per step."""
+
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor | None  # [T] long; None when the chunks carry no block tables
+    query_start_loc: torch.Tensor  # [N+1] long: chunk i owns tokens [qsl[i], qsl[i+1])
+    context_lens: torch.Tensor  # [N] long: start_pos + len, the context after this step
+    block_tables: torch.Tensor  # [N, max_blocks] long, padded with block 0 (masked out)
+    logits_indices: torch.Tensor  # [num chunks needing logits] long: each one's last token
+    block_size: int
+    # Host-side copies, so per-layer loops never synchronise with the device.
+    query_lens: list[int]
+    query_starts: list[int]  # N+1 entries
+    start_positions: list[int]
+    context_lens_list: list[int]
+    max_position: int
+    # Single-token chunks, run together in the absorbed form.
+    decode_token_idx: torch.Tensor  # [B] long, token index of each decode
+    decode_block_tables: torch.Tensor  # [B, max decode blocks] long
+    decode_mask: torch.Tensor  # [B, max decode blocks * block_size] bool: slot holds context
+    prefill_chunks: list[int]  # chunk indices with more than one token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def has_kv_slots(self) -> bool:
+        return self.slot_mapping is not None
+
+    @classmethod
+    def build(cls, chunks: list[SeqChunk], block_size: int, device: torch.device | str) -> AttnMetadata:
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        positions: list[int] = []
+        query_lens, starts, ctx_lens, logits_idx = [], [], [], []
+        paged = True
+        for c in chunks:
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError(f"sequence {c.seq_id}: empty chunk")
+            positions.extend(range(c.start_pos, c.start_pos + n))
+            query_lens.append(n)
+            starts.append(c.start_pos)
+            ctx_lens.append(c.start_pos + n)
+            if c.needs_logits:
+                logits_idx.append(len(positions) - 1)
+            if len(c.block_table) * block_size < c.start_pos + n:
+                paged = False
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+
+        def blocks(i: int) -> list[int]:
+            return list(chunks[i].block_table[: -(-ctx_lens[i] // block_size)]) if paged else []
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            width = max((len(r) for r in rows), default=0)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).view(len(rows), width)
+
+        all_blocks = [blocks(i) for i in range(len(chunks))]
+        block_tables = padded(all_blocks)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slot_mapping = None
+        if paged:
+            chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens))
+            slot_mapping = block_tables[chunk_of_token, pos // block_size] * block_size + pos % block_size
+
+        decodes = [i for i, n in enumerate(query_lens) if n == 1]
+        decode_tables = padded([all_blocks[i] for i in decodes])
+        slots = torch.arange(decode_tables.shape[1] * block_size)
+        decode_ctx = torch.tensor([ctx_lens[i] for i in decodes], dtype=torch.long)
+        decode_mask = slots[None, :] < decode_ctx[:, None]
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return cls(
+            positions=dev(pos),
+            slot_mapping=dev(slot_mapping) if slot_mapping is not None else None,
+            query_start_loc=dev(torch.tensor(qsl, dtype=torch.long)),
+            context_lens=dev(torch.tensor(ctx_lens, dtype=torch.long)),
+            block_tables=dev(block_tables),
+            logits_indices=dev(torch.tensor(logits_idx, dtype=torch.long)),
+            block_size=block_size,
+            query_lens=query_lens,
+            query_starts=qsl,
+            start_positions=starts,
+            context_lens_list=ctx_lens,
+            max_position=max(ctx_lens) - 1,
+            decode_token_idx=dev(torch.tensor([qsl[i] for i in decodes], dtype=torch.long)),
+            decode_block_tables=dev(decode_tables),
+            decode_mask=dev(decode_mask),
+            prefill_chunks=[i for i, n in enumerate(query_lens) if n > 1],
+        )
+
+
+class MLAAttention(nn.Module):
+    """Heads split across TP ranks: q_b/q_proj and kv_b column-parallel by head, o_proj
+    row-parallel with an all-reduce; the a-projections and their norms are replicated."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        if cfg.attention_bias:
+            raise ConfigError("attention_bias=True is not supported (DeepSeek-V3 has no attention biases)")
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads // tp.world_size
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        self.qk_dim = cfg.qk_head_dim
+        self.interleave = bool(cfg.rope_interleave)
+        self.scale = softmax_scale(cfg)
+        h, n = cfg.hidden_size, cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        if cfg.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, n * self.qk_dim, tp, dtype)
+        else:
+            self.q_proj = ColumnParallelLinear(h, n * self.qk_dim, tp, dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, cfg.kv_cache_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, n * (self.nope + self.v_dim), tp, dtype)
+        self.o_proj = RowParallelLinear(n * self.v_dim, h, tp, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv_cache: torch.Tensor | None) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(t, self.num_heads, self.qk_dim)
+        q_pe = apply_rope(q[..., self.nope:], cos, sin, self.interleave)
+        q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, self.interleave)], dim=-1)
+
+        out = x.new_empty(t, self.num_heads, self.v_dim)
+        qsl = meta.query_starts
+        if kv_cache is None:
+            # Cache-less reference mode: every chunk attends to its own tokens only.
+            for i in range(len(meta.query_lens)):
+                if meta.start_positions[i] != 0:
+                    raise ValueError("without a KV cache every chunk must start at position 0")
+                s, e = qsl[i], qsl[i + 1]
+                out[s:e] = self._expanded(q[s:e], latent[s:e], 0)
+        else:
+            if meta.slot_mapping is None:
+                raise ValueError("the chunks' block tables do not cover their context: cannot use the KV cache")
+            flat = kv_cache.view(-1, kv_cache.shape[-1])
+            flat.index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+            if meta.decode_token_idx.numel():
+                out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
+            for i in meta.prefill_chunks:
+                s, e = qsl[i], qsl[i + 1]
+                nblocks = -(-meta.context_lens_list[i] // meta.block_size)
+                ctx = kv_cache[meta.block_tables[i, :nblocks]].view(-1, kv_cache.shape[-1])
+                ctx = ctx[: meta.context_lens_list[i]].to(x.dtype)
+                out[s:e] = self._expanded(q[s:e], ctx, meta.start_positions[i])
+        return self.o_proj(out.view(t, self.num_heads * self.v_dim))
+
+    def _expanded(self, q: torch.Tensor, latent: torch.Tensor, start: int) -> torch.Tensor:
+        """q [n, heads, qk] at positions start.. attend over latent [S = start + n, kv_cache_dim]."""
+        n, s = q.shape[0], latent.shape[0]
+        kv = self.kv_b_proj(latent[:, : self.kv_lora_rank]).view(s, self.num_heads, self.nope + self.v_dim)
+        k_pe = latent[:, None, self.kv_lora_rank:].expand(s, self.num_heads, self.rope)
+        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)
+        v = kv[..., self.nope:]
+        if start == 0 and s == n:
+            mask, causal = None, True
+        else:
+            # Bottom-right causal: query i (position start + i) sees keys 0..start + i.
+            mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, is_causal=causal, scale=self.scale)
+        return o.transpose(0, 1)
+
+    def _absorbed_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """q [B, heads, qk] (one token per sequence) against its whole cached context."""
+        b = q.shape[0]
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
+        q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]
+        # [c_kv | k_pe] rows match [q_latent | q_pe]: one matmul scores both parts.
+        q_cat = torch.cat([q_latent, q[..., self.nope:]], dim=-1)
+        ctx = kv_cache[meta.decode_block_tables].view(b, -1, kv_cache.shape[-1]).to(q.dtype)
+        # Slots past the context hold stale or poisoned (NaN) data, and 0 * NaN is NaN.
+        ctx = ctx.masked_fill(~meta.decode_mask[..., None], 0)
+        scores = torch.bmm(q_cat, ctx.transpose(1, 2)).float() * self.scale  # [B, heads, S]
+        scores.masked_fill_(~meta.decode_mask[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        o_latent = torch.bmm(probs, ctx[..., : self.kv_lora_rank])  # [B, heads, kv_lora]
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, heads, v]

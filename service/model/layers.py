@@ -1,0 +1,268 @@
+"""Building blocks with tensor parallelism: norms, TP linears, vocab-parallel embedding and
+lm_head, the SwiGLU MLP, and DeepSeek's rotary embedding.
+
+Every parameter is created with `torch.empty` so the model can be built on the `meta` device;
+weights arrive later (dummy init, checkpoint or trainer). Parameters never need grads here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..parallel import TPGroup
+
+
+def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class KeepFloat32:
+    """Mixin: the named tensors stay float32 through `module.to(dtype)`.
+
+    The router bias and the rope table need fp32 resolution whatever the model dtype (a bf16
+    bias flips expert choices; bf16 angles drift with position), as in transformers and vLLM.
+    """
+
+    fp32_tensors: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in self.fp32_tensors:
+            t = getattr(self, name)
+            if t.dtype == torch.float32:
+                continue
+            if isinstance(t, nn.Parameter):
+                t.data = t.data.float()
+            else:
+                self._buffers[name] = t.float()
+                self._after_fp32_restore()
+        return self
+
+    def _after_fp32_restore(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    """transformers' DeepseekV3RMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = frozen(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = frozen(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output dim split across ranks; each rank returns its slice of the output."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.weight = frozen(out_features // tp.world_size, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Input dim split across ranks; the output is a partial sum unless reduced here."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.weight = frozen(out_features, in_features // tp.world_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        return self.tp.all_reduce(out) if reduce else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows split by vocab: at k3 size (163840 x 7168) a replica is 2.3 GB in bf16 per rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.start, self.rows = tp.shard(vocab_size)
+        self.weight = frozen(self.rows, hidden_size, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-sharded lm_head; logits are gathered so every rank holds the full fp32 row.
+
+    With tied embeddings the weight is the embedding's parameter, read at call time (not
+    registered here) so a pool that swaps the embedding's storage is followed automatically.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype,
+                 tied_to: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.tp = tp
+        self._tied = (tied_to,) if tied_to is not None else None
+        if tied_to is None:
+            self.weight = frozen(vocab_size // tp.world_size, hidden_size, dtype=dtype)
+
+    def shard_weight(self) -> torch.Tensor:
+        return self._tied[0].weight if self._tied is not None else self.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.shard_weight()).float()
+        return self.tp.all_gather(logits, dim=-1)
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense MLP and shared experts: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, dtype)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, dtype)
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), reduce=reduce)
+
+
+# ---- rotary embedding ---------------------------------------------------------------------
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """The rope settings of a config, in transformers 5's `rope_parameters` form.
+
+    Accepts both spellings found in config.json files: `rope_parameters` (transformers 5 writes
+    it, and drops the top-level rope_theta) and the older `rope_theta` + `rope_scaling`.
+    """
+    params = cfg.extra.get("rope_parameters")
+    if params:
+        params = dict(params)
+        params.setdefault("rope_theta", cfg.rope_theta)
+    else:
+        params = dict(cfg.extra.get("rope_scaling") or {})
+        params["rope_theta"] = cfg.rope_theta
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] not in ("default", "yarn"):
+        raise ConfigError(f"rope type {params['rope_type']!r} is not implemented (only default and yarn)")
+    if params["rope_type"] == "yarn":
+        params.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+    return params
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim**-0.5, times yarn's mscale(factor, mscale_all_dim)**2 as DeepSeek does."""
+    scale = cfg.qk_head_dim ** -0.5
+    p = rope_parameters(cfg)
+    if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+        m = _yarn_mscale(p["factor"], p["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+def _inv_freq_and_scaling(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Same float32 arithmetic as transformers 5.19, so fp32 tables are bit-identical."""
+    p = rope_parameters(cfg)
+    dim, base = cfg.qk_rope_head_dim, p["rope_theta"]
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if p["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = p.get("factor")
+    orig = p["original_max_position_embeddings"]
+    if factor is None:
+        factor = cfg.max_position_embeddings / orig
+    scaling = p.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all:
+            scaling = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+        else:
+            scaling = _yarn_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, scaling
+
+
+class RotaryEmbedding(KeepFloat32, nn.Module):
+    """cos/sin table [max_positions, 2, rope_dim/2] in fp32, a non-parameter buffer that
+    `reset_buffers` recomputes in place (after a pool swaps in its own storage)."""
+
+    fp32_tensors = ("cos_sin",)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.interleave = bool(cfg.rope_interleave)
+        self.max_positions = cfg.max_position_embeddings
+        self.register_buffer("cos_sin", torch.empty(self.max_positions, 2, cfg.qk_rope_head_dim // 2,
+                                                    dtype=torch.float32), persistent=False)
+        self.reset_buffers()
+
+    def _after_fp32_restore(self) -> None:
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        if self.cos_sin.is_meta:
+            return
+        inv_freq, scaling = _inv_freq_and_scaling(self.cfg)
+        freqs = torch.arange(self.max_positions).float()[:, None] * inv_freq[None, :]
+        table = torch.stack([freqs.cos() * scaling, freqs.sin() * scaling], dim=1)
+        self.cos_sin.copy_(table)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cs = self.cos_sin[positions]
+        return cs[:, 0], cs[:, 1]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [T, ..., r]; cos/sin [T, r/2]. DeepSeek's interleaved pairs (x0,x1),(x2,x3)... come out
+    de-interleaved, exactly like transformers' apply_rotary_pos_emb_interleave; q and k share
+    the layout, so the attention scores are those of the original formulation."""
+    half = x.shape[-1] // 2
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos = cos.view(shape).to(x.dtype)
+    sin = sin.view(shape).to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,120 @@
+"""DeepSeek-V3 MoE with the optional Kimi-K3 latent projection (DESIGN §1).
+
+Routed experts are sharded along their intermediate dim, so every rank computes an
+un-reduced partial of the routed output; the router, the latent down/up projections and the
+latent norm are replicated. Latent layers hand both partials to their `TailRunner`, which
+reduces them (fused or not) and applies the norm and the up-projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel import TPGroup
+from ..tail.base import TailRunner
+from .layers import KeepFloat32, ReplicatedLinear, RMSNorm, SwiGLUMLP, frozen
+
+
+class TopkRouter(KeepFloat32, nn.Module):
+    """Sigmoid scores in fp32; experts chosen on score + bias (group-limited when n_group > 1);
+    weights are the unbiased scores of the chosen experts."""
+
+    fp32_tensors = ("e_score_correction_bias",)
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = frozen(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
+        # A weight trainers update (load balancing), hence a parameter, not a buffer.
+        self.e_score_correction_bias = frozen(cfg.n_routed_experts, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, H] -> (weights [M, k] fp32, expert ids [M, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            m, e = choice.shape
+            grouped = choice.view(m, self.n_group, e // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class FusedExperts(nn.Module):
+    """All routed experts of a layer in three tensors, this rank's intermediate shard:
+    w1 (gate) [E, I/tp, W], w3 (up) [E, I/tp, W], w2 (down) [E, W, I/tp]."""
+
+    def __init__(self, num_experts: int, width: int, intermediate: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        shard = intermediate // tp.world_size
+        self.num_experts = num_experts
+        self.w1 = frozen(num_experts, shard, width, dtype=dtype)
+        self.w3 = frozen(num_experts, shard, width, dtype=dtype)
+        self.w2 = frozen(num_experts, width, shard, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [M, W]; weights/ids [M, k]. Returns this rank's partial sum over experts [M, W]."""
+        k = ids.shape[1]
+        out = torch.zeros(x.shape[0], self.w2.shape[1], dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // k
+        token_weights = weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        start = 0
+        # One matmul chain per expert that got tokens: no per-token loop.
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = tokens[start:start + n]
+            xe = x[tok]
+            h = F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e])
+            y = F.linear(h, self.w2[e]).float() * token_weights[start:start + n, None]
+            out.index_add_(0, tok, y)
+            start += n
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, layer_idx: int, dtype: torch.dtype,
+                 tail: TailRunner | None):
+        super().__init__()
+        self.tp = tp
+        self.layer_idx = layer_idx
+        self.latent = cfg.is_latent
+        self.eps = cfg.rms_norm_eps
+        h = cfg.hidden_size
+        width = cfg.moe_latent_size or h
+        self.gate = TopkRouter(cfg, dtype)
+        self.experts = FusedExperts(cfg.n_routed_experts, width, cfg.moe_intermediate_size, tp, dtype)
+        self.shared_experts = (SwiGLUMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, tp, dtype)
+                               if cfg.n_shared_experts else None)
+        self.tail = None
+        if self.latent:
+            self.routed_expert_down_proj = ReplicatedLinear(h, width, dtype)
+            self.routed_expert_norm = RMSNorm(width, self.eps, dtype) if cfg.latent_moe_use_norm else None
+            self.routed_expert_up_proj = ReplicatedLinear(width, h, dtype)
+            self.tail = tail if tail is not None else TailRunner(layer_idx, tp, "off")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        routed_in = self.routed_expert_down_proj(x) if self.latent else x
+        routed_partial = self.experts(routed_in, weights, ids)
+        shared_partial = (self.shared_experts(x, reduce=False) if self.shared_experts is not None
+                          else torch.zeros_like(x))
+        if not self.latent:
+            return self.tp.all_reduce(routed_partial + shared_partial)
+        norm_weight = self.routed_expert_norm.weight if self.routed_expert_norm is not None else None
+        return self.tail(routed_partial, shared_partial, norm_weight, self.routed_expert_up_proj.weight, self.eps)
