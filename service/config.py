@@ -111,6 +111,9 @@ class ModelConfig:
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names and k != "extra"}
         extra.update(d.get("extra", {}))
+        # A plain DeepSeek-V3 config.json has no moe_latent_size: it is not a latent model,
+        # whatever the dataclass default (which the tiny presets rely on) says.
+        known.setdefault("moe_latent_size", None)
         cfg = cls(**known)
         cfg.extra = extra
         return cfg
