@@ -90,6 +90,9 @@ class Scheduler:
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
 
+        # Today an unfinished prefill is always the newest running sequence (a chunk is cut only when
+        # it empties the budget, which stops admission), so this is admission order; the explicit
+        # split keeps decodes first should admission change.
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
