@@ -300,6 +300,7 @@ def test_hostpath_globs_extra_args_and_extra_groups():
     ({"modelSource": {"type": "pvc"}}, "claimName is required"),
     ({"latentserve": {"sleepMode": {"enabled": False, "preserveParameterNames": ["*"]}}}, "needs latentserve.sleepMode.enabled"),
     ({"latentserve": {"sleepMode": {"preserveParameterNames": ["it's"]}}}, "single quote"),
+    ({"mnnvl": {"enabled": True, "computeDomain": {"create": False}}}, "needs mnnvl.computeDomain.resourceClaimTemplateName"),
     ({"latentserve": {"fusedTail": "maybe"}}, "fusedTail"),
     ({"latentserve": {"preserveParameterNames": ["*"]}}, "preserveParameterNames"),
 ])

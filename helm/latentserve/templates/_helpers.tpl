@@ -59,7 +59,11 @@ ray.io/node-type: head
 {{- end -}}
 
 {{- define "latentserve.imexClaimTemplateName" -}}
-{{- .Values.mnnvl.computeDomain.resourceClaimTemplateName | default (printf "%s-imex-channel" (include "latentserve.fullname" .)) -}}
+{{- $cd := .Values.mnnvl.computeDomain -}}
+{{- if and (not $cd.create) (not $cd.resourceClaimTemplateName) -}}
+{{- fail "mnnvl.computeDomain.create=false needs mnnvl.computeDomain.resourceClaimTemplateName (the existing ComputeDomain's channel claim template)" -}}
+{{- end -}}
+{{- $cd.resourceClaimTemplateName | default (printf "%s-imex-channel" (include "latentserve.fullname" .)) -}}
 {{- end -}}
 
 {{/*
