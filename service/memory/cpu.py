@@ -14,6 +14,15 @@ import os
 import torch
 
 PAGE = mmap.PAGESIZE
+# Linux >= 5.14: fault a whole range in with one call; page-by-page faults halve copy speed.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mm: mmap.mmap, nbytes: int) -> None:
+    try:
+        mm.madvise(MADV_POPULATE_WRITE, 0, nbytes)
+    except OSError:  # older kernel: the copy faults the pages in instead
+        pass
 
 
 class CpuRegion:
@@ -57,9 +66,16 @@ class CpuBackend:
         pass  # the next touch maps a zeroed page at the same address
 
     def backup(self, region: CpuRegion, nbytes: int) -> torch.Tensor:
-        return region.base[:nbytes].clone()
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+        _populate(mm, nbytes)
+        host = torch.frombuffer(mm, dtype=torch.uint8)
+        host.copy_(region.base[:nbytes])
+        return host
 
     def restore(self, region: CpuRegion, backup: torch.Tensor) -> None:
+        _populate(region.mm, backup.numel())
         region.base[:backup.numel()].copy_(backup)
 
     def poison(self, region: CpuRegion, nbytes: int) -> None:
