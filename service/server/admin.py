@@ -1,0 +1,137 @@
+"""Admin routes (Bearer admin key): sleep / wake_up / pause / resume / update_weights, status,
+collective_rpc diagnostics and restart. Without a configured key they answer 403."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from ..coordinator import CoordinationError
+from .controller import Controller
+from .protocol import APIError
+
+
+def require_admin(request: Request) -> None:
+    key = request.app.state.admin_key
+    if not key:
+        raise APIError(403, "the admin API is off: start the server with --admin-key KEY (or set "
+                            "LATENTSERVE_ADMIN_KEY)", code="admin_disabled")
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "admin calls need 'Authorization: Bearer <admin key>'", code="invalid_admin_key")
+
+
+router = APIRouter(dependencies=[Depends(require_admin)])
+
+
+def _ctl(request: Request) -> Controller:
+    return request.app.state.controller
+
+
+async def _json_object(request: Request) -> dict:
+    """The JSON body whatever the content type says (curl -d sends a form type)."""
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise APIError(422, f"the body must be a JSON object: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(422, "the body must be a JSON object")
+    return body
+
+
+async def _transition(ctl: Controller, op: str, fn, *args) -> dict:
+    """Run a blocking coordinator transition in a thread; time it; map its errors to HTTP."""
+    if ctl.restarting and op != "restart":
+        raise APIError(503, "the ranks are restarting; retry shortly", retry=True)
+    t0 = time.perf_counter()
+    try:
+        result = await asyncio.to_thread(fn, *args)
+    except CoordinationError as e:
+        ctl.metrics.transition_seconds.labels(op, str(e.status)).observe(time.perf_counter() - t0)
+        extra = {"ranks": e.ranks} if e.ranks is not None else None
+        raise APIError(e.status, str(e), code=f"{op}_failed", extra=extra, retry=e.retry) from e
+    seconds = time.perf_counter() - t0
+    ctl.metrics.transition_seconds.labels(op, "ok").observe(seconds)
+    result.update(ctl.coordinator.snapshot())  # the state after the transition, not during it
+    result["http_seconds"] = seconds
+    return result
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort"),
+                timeout: float | None = Query(None, gt=0)) -> dict:
+    ctl = _ctl(request)
+    return await _transition(ctl, "sleep", ctl.coordinator.sleep, level, mode, timeout)
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request, tags: list[str] | None = Query(None),
+                  timeout: float | None = Query(None, gt=0)) -> dict:
+    ctl = _ctl(request)
+    return await _transition(ctl, "wake_up", ctl.coordinator.wake_up, tags, timeout)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict:
+    return _ctl(request).coordinator.is_sleeping()
+
+
+@router.post("/pause")
+async def pause(request: Request, mode: str = Query("keep"), timeout: float | None = Query(None, gt=0)) -> dict:
+    ctl = _ctl(request)
+    return await _transition(ctl, "pause", ctl.coordinator.pause, mode, timeout)
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict:
+    ctl = _ctl(request)
+    return await _transition(ctl, "resume", ctl.coordinator.resume)
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request, timeout: float | None = Query(None, gt=0)) -> dict:
+    """The body names one weight source: {"path": DIR} here; other transports register their key."""
+    ctl = _ctl(request)
+    body = await _json_object(request)
+    return await _transition(ctl, "update_weights", ctl.coordinator.update_weights, body, timeout)
+
+
+@router.get("/v1/status")
+async def status(request: Request) -> dict:
+    ctl = _ctl(request)
+    if ctl.restarting:
+        raise APIError(503, "the ranks are restarting; retry shortly", retry=True)
+    return await asyncio.to_thread(ctl.status)
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(request: Request) -> dict:
+    ctl = _ctl(request)
+    body = await _json_object(request)
+    method = body.get("method")
+    args, kwargs, timeout = body.get("args") or [], body.get("kwargs") or {}, body.get("timeout")
+    ranks = body.get("ranks")
+    if not isinstance(method, str) or not isinstance(args, list) or not isinstance(kwargs, dict) or \
+            not (ranks is None or isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
+        raise APIError(422, "body: {'method': str, 'args': list?, 'ranks': [int]?, 'timeout': seconds?}",
+                       param="method")
+    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+        raise APIError(422, "timeout must be a positive number of seconds", param="timeout")
+    if ctl.restarting:
+        raise APIError(503, "the ranks are restarting; retry shortly", retry=True)
+    outcomes = await asyncio.to_thread(ctl.collective_rpc, method, args, kwargs, timeout, ranks)
+    if not all(o["ok"] for o in outcomes):
+        status = 504 if any(o.get("timeout") for o in outcomes) else 500
+        errors = "; ".join(o["error"] for o in outcomes if not o["ok"])
+        raise APIError(status, f"collective_rpc({method}) failed: {errors}", extra={"ranks": outcomes})
+    return {"method": method, "results": [o["result"] for o in outcomes if not o.get("skipped")]}
+
+
+@router.post("/restart")
+async def restart(request: Request) -> dict:
+    ctl = _ctl(request)
+    return await _transition(ctl, "restart", ctl.restart)

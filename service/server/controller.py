@@ -1,0 +1,356 @@
+"""The controller: the TP ranks of one model, its coordinator, and the routing of engine outputs.
+
+One background poller long-polls rank 0 for new outputs and routes them to per-request asyncio
+queues; a health watcher pings every rank about once a second. Blocking Ray calls
+(transitions, restart) run in worker threads so the event loop keeps streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from ..coordinator import CoordinationError, Coordinator, call_ranks, error_text
+from ..engine_config import EngineConfig
+from ..log import get_logger
+from ..outputs import RequestOutput
+from ..sampling_params import InvalidRequest, SamplingParams
+from ..worker import DIAGNOSTICS, TEST_HOOKS
+from .metrics import Metrics
+from .protocol import APIError
+
+log = get_logger("controller")
+
+HEALTH_INTERVAL_S = 1.0
+# Pings that time out (a rank busy on 2 shared cores) only count after a few in a row; a dead
+# actor counts at once.
+MISSED_PINGS_UNHEALTHY = 3
+
+
+@dataclass
+class Failure:
+    """Put into a request's queue when the request cannot finish (rank death, restart)."""
+
+    status: int
+    message: str
+
+
+@dataclass
+class Route:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    request_ids: list[str] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(self, config: EngineConfig, *, model_name: str, enable_test_hooks: bool = False,
+                 deadline_s: float | None = None, request_timeout_s: float | None = None):
+        self.config = config
+        self.model_name = model_name
+        self.enable_test_hooks = enable_test_hooks
+        self.deadline_s = deadline_s or float(os.environ.get("LATENTSERVE_RANK_DEADLINE_S", "120"))
+        self.request_timeout_s = request_timeout_s or float(os.environ.get("LATENTSERVE_REQUEST_TIMEOUT_S", "600"))
+        self.metrics = Metrics()
+        self.started = time.time()
+        self.executor = None
+        self.coordinator: Coordinator | None = None
+        self.tokenizer = None
+        self.health: dict = {"ok": False, "reason": "loading"}
+        self.restarting = False
+        self._routes: dict[str, Route] = {}
+        self._ids = itertools.count()
+        self._closing = threading.Event()
+        self._poller: asyncio.Task | None = None
+        self._watcher: threading.Thread | None = None
+        self._missed = 0
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def load(self) -> None:
+        """Start the ranks (blocking, minutes for big models; progress goes to the log)."""
+        from ..executor import RayExecutor
+        from ..tokenizer import get_tokenizer
+
+        t0 = time.perf_counter()
+        cfg = self.config
+        log.info("loading", model=cfg.model, tp=cfg.tensor_parallel_size, device=cfg.device,
+                 sleep_mode=cfg.enable_sleep_mode, fused_tail=cfg.fused_tail)
+        # The controller's own copy only turns token ids into strings for logprobs.
+        self.tokenizer = get_tokenizer(cfg.model, cfg.model_config)
+        self.executor = RayExecutor(cfg)
+        self.coordinator = Coordinator(self.executor, sleep_enabled=cfg.enable_sleep_mode,
+                                       deadline_s=self.deadline_s, on_change=self._state_changed)
+        self._state_changed(self.coordinator.state)
+        self.health = {"ok": True, "reason": None}
+        log.info("ready", seconds=round(time.perf_counter() - t0, 2), nodes=len(set(self.executor.nodes)),
+                 same_node=self.executor.same_node)
+
+    async def start_background(self) -> None:
+        self._poller = asyncio.create_task(self._poll_loop(), name="rank0-poller")
+        self._watcher = threading.Thread(target=self._watch_health, name="health-watcher", daemon=True)
+        self._watcher.start()
+
+    async def close(self) -> None:
+        self._closing.set()
+        if self._poller is not None:
+            self._poller.cancel()
+        self._fail_all(503, "the server is shutting down")
+        if self.executor is not None:
+            await asyncio.to_thread(self.executor.shutdown)
+
+    def _state_changed(self, state) -> None:
+        self.metrics.set_state("restarting" if self.restarting else state.name)
+        self.metrics.weight_version.set(state.weight_version)
+        if state.failed:
+            self._fail_all(503, f"the model failed: {state.failed}")
+
+    # ---- generation -----------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def rank0(self, method: str, *args, timeout: float | None = None):
+        ref = getattr(self.executor.rank0, method).remote(*args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout or self.deadline_s)
+        except ray.exceptions.RayActorError as e:
+            raise APIError(503, f"rank 0 is gone: {error_text(e)}; POST /restart") from e
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, InvalidRequest):
+                raise APIError(400, str(e.cause), code="invalid_request") from e
+            raise APIError(500, f"rank 0 failed {method}: {error_text(e)}") from e
+        except TimeoutError as e:
+            raise APIError(504, f"rank 0 did not answer {method} within {timeout or self.deadline_s:g}s") from e
+
+    def check_generation(self) -> None:
+        if self.restarting:
+            raise APIError(503, "the ranks are restarting; retry shortly", retry=True)
+        try:
+            self.coordinator.check_generation()
+        except CoordinationError as e:
+            raise APIError(e.status, str(e), code="model_state", retry=e.retry) from e
+
+    async def submit(self, prompts: list[tuple[str | None, list[int] | None]], params: SamplingParams,
+                     prefix: str = "cmpl") -> Route:
+        """Admit and enqueue one engine request per prompt; outputs arrive on the route's queue."""
+        self.check_generation()
+        route = Route(asyncio.Queue(), asyncio.get_running_loop())
+        base = f"{prefix}-{os.getpid()}-{next(self._ids)}"
+        route.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid in route.request_ids:
+            self._routes[rid] = route
+        try:
+            for rid, (text, ids) in zip(route.request_ids, prompts):
+                await self.rank0("add_request", rid, text, ids, params)
+        except BaseException:
+            self.release(route, abort=True)
+            raise
+        return route
+
+    def release(self, route: Route, abort: bool) -> None:
+        """Forget a route; abort its engine requests if they may still run (client gone, error)."""
+        for rid in route.request_ids:
+            self._routes.pop(rid, None)
+        if abort and self.executor is not None:
+            try:
+                self.executor.rank0.abort.remote(route.request_ids)  # fire and forget
+            except Exception:
+                pass
+
+    async def next_output(self, route: Route, deadline: float) -> RequestOutput:
+        left = deadline - time.monotonic()
+        try:
+            item = await asyncio.wait_for(route.queue.get(), max(0.0, left))
+        except TimeoutError as e:
+            raise APIError(504, f"the request did not finish within {self.request_timeout_s:g}s") from e
+        if isinstance(item, Failure):
+            raise APIError(item.status, item.message)
+        return item
+
+    async def check_output(self, out: RequestOutput) -> None:
+        """Raise the HTTP error of a failed or aborted output. An engine error caused by a dead
+        rank (a collective with a vanished peer) answers 503 like the rank death itself."""
+        reasons = {c.finish_reason for c in out.outputs}
+        if "abort" in reasons:
+            raise APIError(503, f"request aborted: {out.error or 'by the server'}", code="aborted")
+        if not (out.error or "error" in reasons):
+            return
+        message = out.error or "generation failed"
+        dead = await asyncio.to_thread(self._dead_ranks)
+        if dead:
+            self.coordinator.mark_failed("; ".join(dead) + "; POST /restart")
+        if self.coordinator.state.failed:
+            raise APIError(503, f"the model failed: {self.coordinator.state.failed} ({message})",
+                           code="model_failed")
+        raise APIError(500, message, code="engine_error")
+
+    def _dead_ranks(self) -> list[str]:
+        actors = self.executor.actors
+        outcomes, _ = call_ranks(actors, "collective_rpc", [("ping",)] * len(actors), timeout=2.0)
+        return [o["error"] for o in outcomes if o.get("dead")]
+
+    async def _poll_loop(self) -> None:
+        while not self._closing.is_set():
+            if self.restarting or self.executor is None:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                outs = await self.rank0("poll", 1.0, timeout=30.0)
+            except asyncio.CancelledError:
+                raise
+            except APIError as e:
+                if e.status == 503:
+                    self._fail_all(503, e.message)
+                await asyncio.sleep(0.5)
+                continue
+            for out in outs:
+                route = self._routes.get(out.request_id)
+                if route is not None:
+                    route.queue.put_nowait(out)
+
+    def _fail_all(self, status: int, message: str) -> None:
+        routes = {id(r): r for r in list(self._routes.values())}
+        for route in routes.values():
+            route.loop.call_soon_threadsafe(route.queue.put_nowait, Failure(status, message))
+
+    # ---- health -----------------------------------------------------------------
+    def _watch_health(self) -> None:
+        while not self._closing.wait(HEALTH_INTERVAL_S):
+            if self.restarting or self.executor is None:
+                continue
+            try:
+                self._check_ranks()
+            except Exception as e:  # the watcher must outlive anything it observes
+                log.error("health_watch_failed", error=error_text(e))
+
+    def _check_ranks(self) -> None:
+        actors = self.executor.actors
+        outcomes, _ = call_ranks(actors, "collective_rpc", [("status",)] * len(actors), timeout=2.0)
+        self.metrics.ranks_alive.set(sum(o["ok"] for o in outcomes))
+        dead = [o for o in outcomes if o.get("dead")]
+        failed = [o["result"] for o in outcomes if o["ok"] and o["result"].get("failed")]
+        slow = [o for o in outcomes if o.get("timeout")]
+        self._missed = self._missed + 1 if slow else 0
+        if dead:
+            reason = "; ".join(o["error"] for o in dead) + "; POST /restart"
+            self.coordinator.mark_failed(reason)
+        elif failed:
+            self.coordinator.mark_failed(f"rank {failed[0]['rank']} failed: {failed[0]['failed']}")
+        if self.coordinator.state.failed:
+            self.health = {"ok": False, "reason": self.coordinator.state.failed}
+        elif self._missed >= MISSED_PINGS_UNHEALTHY:
+            self.health = {"ok": False, "reason": "; ".join(o["error"] for o in slow)}
+        else:
+            self.health = {"ok": True, "reason": None}
+
+    def health_report(self) -> tuple[bool, dict]:
+        if self.restarting:
+            return False, {"status": "unhealthy", "reason": "restarting the ranks"}
+        ok = self.health["ok"]
+        body = {"status": "ok" if ok else "unhealthy", "state": self.coordinator.state.name
+                if self.coordinator else "loading"}
+        if not ok:
+            body["reason"] = self.health["reason"]
+        return ok, body
+
+    # ---- admin -----------------------------------------------------------------
+    def collective_rpc(self, method: str, args: list, kwargs: dict, timeout: float | None,
+                       ranks: list[int] | None = None) -> list[dict]:
+        """Call an allowlisted diagnostic (or, with --enable-test-hooks, a test hook) on every rank,
+        or on `ranks` only."""
+        if method in TEST_HOOKS and not self.enable_test_hooks:
+            raise APIError(403, f"{method!r} changes rank state: start the server with --enable-test-hooks")
+        if method not in DIAGNOSTICS + TEST_HOOKS:
+            allowed = DIAGNOSTICS + (TEST_HOOKS if self.enable_test_hooks else ())
+            raise APIError(422, f"unknown collective_rpc method {method!r}; allowed: {list(allowed)}",
+                           param="method")
+        if kwargs:
+            raise APIError(422, "collective_rpc takes positional args only", param="kwargs")
+        actors = self.executor.actors
+        targets = set(range(len(actors)) if ranks is None else ranks)
+        if not targets <= set(range(len(actors))):
+            raise APIError(422, f"ranks must be within [0, {len(actors)})", param="ranks")
+        args_per_rank = [(method, *args) if r in targets else None for r in range(len(actors))]
+        outcomes, _ = call_ranks(actors, "collective_rpc", args_per_rank, timeout or self.deadline_s)
+        return outcomes
+
+    def status(self) -> dict:
+        actors = self.executor.actors
+        n = len(actors)
+        status, _ = call_ranks(actors, "collective_rpc", [("status",)] * n, timeout=10.0)
+        memory, _ = call_ranks(actors, "collective_rpc", [("memory_report",)] * n, timeout=10.0)
+        ranks = []
+        for s, m in zip(status, memory):
+            entry = dict(s["result"]) if s["ok"] else {"rank": s["rank"], "error": s["error"]}
+            entry["alive"] = s["ok"] or not s.get("dead")
+            entry["memory"] = m["result"] if m["ok"] else {"error": m["error"]}
+            ranks.append(entry)
+        try:
+            engine = ray.get(self.executor.rank0.engine_stats.remote(), timeout=10.0)
+        except Exception as e:
+            engine = {"error": error_text(e)}
+        return {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
+                "tp": n, "same_node": self.executor.same_node, "nodes": list(self.executor.nodes),
+                "engine": engine, "ranks": ranks}
+
+    def restart(self) -> dict:
+        """Rebuild every rank: new actors, the last weights reloaded, the weight version kept."""
+        from ..executor import RayExecutor
+
+        coord = self.coordinator
+        t0 = time.perf_counter()
+        with coord.restarting():
+            self.restarting = True
+            self._state_changed(coord.state)
+            try:
+                self._fail_all(503, "the ranks are restarting")
+                self._teardown(self.executor)
+                self.executor = RayExecutor(self.config)
+                version, reloaded = 0, None
+                last = coord.last_weights
+                if last and "path" in last:
+                    outcomes, _ = call_ranks(self.executor.actors, "update_weights_from_path",
+                                             [(last["path"], last["version"])] * len(self.executor.actors),
+                                             self.deadline_s)
+                    bad = [o["error"] for o in outcomes if not o["ok"]]
+                    if bad:
+                        raise CoordinationError(500, f"restart could not reload {last['path']}: {bad}", outcomes)
+                    version, reloaded = last["version"], last["path"]
+                coord.reset(self.executor, version)
+                self._missed = 0
+                self.health = {"ok": True, "reason": None}
+            finally:
+                self.restarting = False
+                self._state_changed(coord.state)
+        seconds = time.perf_counter() - t0
+        log.info("restarted", seconds=round(seconds, 2), weight_version=coord.state.weight_version)
+        note = None if reloaded or not coord.last_weights else \
+            f"the last weights came from {sorted(coord.last_weights)} and cannot be reloaded: initial weights"
+        return {"restarted": True, "seconds": seconds, "weights_reloaded_from": reloaded, "note": note,
+                **coord.snapshot()}
+
+    @staticmethod
+    def _teardown(executor) -> None:
+        """Stop the old ranks: gracefully when all answer, else kill them (a collective with a dead
+        peer could block a graceful stop)."""
+        from ray.util.placement_group import remove_placement_group
+
+        outcomes, _ = call_ranks(executor.actors, "collective_rpc", [("ping",)] * len(executor.actors), 5.0)
+        if all(o["ok"] for o in outcomes):
+            executor.shutdown()
+            return
+        for a in executor.actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(executor.pg)
+        except Exception:
+            pass

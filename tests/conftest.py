@@ -1,0 +1,30 @@
+"""Shared fixtures: `latentserve serve` subprocesses on free loopback ports."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.server.launch import LocalServer
+
+
+def start_server(*extra: str, tp: int = 2, admin_key: str | None = "generated", timeout: float = 600.0,
+                 env: dict | None = None) -> LocalServer:
+    """`latentserve serve --model tiny --tp TP EXTRA...`, healthy."""
+    server = LocalServer(["--model", "tiny", "--tp", str(tp), *extra], admin_key=admin_key, env=env)
+    server.wait_ready(timeout)
+    return server
+
+
+@pytest.fixture(scope="module")
+def server_factory():
+    """Start servers for one test module; all are stopped at its end."""
+    started: list[LocalServer] = []
+
+    def make(*extra: str, **kw) -> LocalServer:
+        s = start_server(*extra, **kw)
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()
