@@ -151,7 +151,9 @@ def _assign(params: dict[str, torch.Tensor], spec: WeightSpec, source, tp: TPGro
 
 
 def _dummy_tensor(spec: WeightSpec, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed((seed << 32) | zlib.crc32(spec.hf_name.encode()))
+    # torch's CPU generator keeps only 32 bits of a seed: mix the seed into the name's crc32
+    # (a bijection per seed, so every tensor of a model still gets its own stream).
+    g = torch.Generator().manual_seed((zlib.crc32(spec.hf_name.encode()) ^ (seed * 0x9E3779B1)) & 0xFFFFFFFF)
     if spec.kind == "norm":
         return torch.ones(spec.shape)
     if spec.kind == "bias":
