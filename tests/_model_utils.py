@@ -94,6 +94,7 @@ class PagedRunner:
         computed = [0] * n  # tokens whose KV is in the cache
         tables: list[list[int]] = [[] for _ in range(n)]
         out: list[list[int]] = [[] for _ in range(n)]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per sequence, per new token
         tick = 0
         while any(len(o) < steps for o in out):
             chunks, owners = [], []
@@ -116,6 +117,7 @@ class PagedRunner:
             logits = self.step(chunks)
             for i, row in zip(owners, logits):
                 tok = int(row.argmax())
+                self.logits[i].append(row)
                 out[i].append(tok)
                 seqs[i].append(tok)
         return out

@@ -138,6 +138,11 @@ def test_paged_kv_matches_full_recompute(preset, latent_norm):
     ref, margins = greedy_all(ours_logits_fn(model), ps)
     assert_not_degenerate(ref)
     for block_size, chunk in ((4, 5), (16, 64)):
-        paged = PagedRunner(model, num_blocks=128, block_size=block_size, seed=block_size).greedy(
-            ps, STEPS, prefill_chunk=chunk)
+        runner = PagedRunner(model, num_blocks=128, block_size=block_size, seed=block_size)
+        paged = runner.greedy(ps, STEPS, prefill_chunk=chunk)
         assert assert_same_greedy(ref, margins, paged) >= N_PROMPTS - 1, (block_size, chunk)
+        # Logits too, not just argmaxes: the full recompute of the paged run's own tokens.
+        for p, toks, rows in zip(ps, paged, runner.logits):
+            full = full_logits(model, p + toks[:-1])[len(p) - 1:]
+            diff = (torch.stack(rows) - full).abs().max().item()
+            assert diff < 1e-4, f"paged logits differ from the full recompute by {diff}"
