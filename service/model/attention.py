@@ -225,11 +225,13 @@ class MLAAttention(nn.Module):
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]
         # [c_kv | k_pe] rows match [q_latent | q_pe]: one matmul scores both parts.
         q_cat = torch.cat([q_latent, q[..., self.nope:]], dim=-1)
+        pad = ~meta.decode_mask
+        # Advanced indexing copies, so masking in place leaves the cache alone. Slots past the
+        # context hold stale or poisoned (NaN) data, and 0 * NaN is NaN: zero them.
         ctx = kv_cache[meta.decode_block_tables].view(b, -1, kv_cache.shape[-1]).to(q.dtype)
-        # Slots past the context hold stale or poisoned (NaN) data, and 0 * NaN is NaN.
-        ctx = ctx.masked_fill(~meta.decode_mask[..., None], 0)
+        ctx.masked_fill_(pad[..., None], 0)
         scores = torch.bmm(q_cat, ctx.transpose(1, 2)).float() * self.scale  # [B, heads, S]
-        scores.masked_fill_(~meta.decode_mask[:, None, :], float("-inf"))
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
         o_latent = torch.bmm(probs, ctx[..., : self.kv_lora_rank])  # [B, heads, kv_lora]
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, heads, v]

@@ -72,18 +72,17 @@ class FusedExperts(nn.Module):
         order = flat.argsort(stable=True)
         tokens = order // k
         token_weights = weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        start = 0
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        active = counts.nonzero().flatten()
+        # One host sync for the whole layer: (expert, first row, rows) of every active expert.
+        plan = torch.stack([active, (counts.cumsum(0) - counts)[active], counts[active]]).tolist()
         # One matmul chain per expert that got tokens: no per-token loop.
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
+        for e, start, n in zip(*plan):
             tok = tokens[start:start + n]
             xe = x[tok]
             h = F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e])
             y = F.linear(h, self.w2[e]).float() * token_weights[start:start + n, None]
             out.index_add_(0, tok, y)
-            start += n
         return out.to(x.dtype)
 
 
