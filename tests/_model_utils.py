@@ -22,11 +22,11 @@ NEAR_TIE = 1e-4
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup | None = None, dtype=torch.float32, seed: int | None = 0,
-                tail_factory=None) -> DeepseekV3ForCausalLM:
+                tail_factory=None, device: str = "cpu") -> DeepseekV3ForCausalLM:
     tp = tp or TPGroup.single()
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg, tp, tail_factory=tail_factory, dtype=dtype)
-    materialize_plain(model, "cpu")
+    materialize_plain(model, device)
     if seed is not None:
         init_dummy_weights(model, cfg, tp, seed=seed)
     return model.eval()
@@ -35,8 +35,9 @@ def build_model(cfg: ModelConfig, tp: TPGroup | None = None, dtype=torch.float32
 @torch.inference_mode()
 def full_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> torch.Tensor:
     """Cache-less forward of one sequence: fp32 logits [len, vocab]."""
-    meta = AttnMetadata.build([SeqChunk(0, list(tokens), 0, [])], 16, "cpu")
-    return model.compute_logits(model(torch.tensor(tokens), meta, None))
+    device = model.model.norm.weight.device
+    meta = AttnMetadata.build([SeqChunk(0, list(tokens), 0, [])], 16, device)
+    return model.compute_logits(model(torch.tensor(tokens, device=device), meta, None))
 
 
 def margin(row: torch.Tensor) -> float:
@@ -76,15 +77,17 @@ class PagedRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
         cfg = model.config
         self.model, self.block_size = model, block_size
-        self.caches = [torch.full((num_blocks, block_size, cfg.kv_cache_dim), float("nan"), dtype=model.dtype)
+        self.device = model.model.norm.weight.device
+        self.caches = [torch.full((num_blocks, block_size, cfg.kv_cache_dim), float("nan"), dtype=model.dtype,
+                                  device=self.device)
                        for _ in range(cfg.num_hidden_layers)]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # block tables are not the identity
 
     @torch.inference_mode()
     def step(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        meta = AttnMetadata.build(chunks, self.block_size, "cpu")
-        ids = torch.tensor([t for c in chunks for t in c.token_ids])
+        meta = AttnMetadata.build(chunks, self.block_size, self.device)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
         hidden = self.model(ids, meta, self.caches)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
