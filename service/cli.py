@@ -43,8 +43,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed)
-    prompts = [{"prompt_token_ids": [int(t) for t in p.split(",")]} for p in args.prompt_token_ids] \
-        if args.prompt_token_ids else args.prompt
+    try:
+        token_prompts = [{"prompt_token_ids": [int(t) for t in p.split(",")]} for p in args.prompt_token_ids]
+    except ValueError as e:
+        raise InvalidRequest(f"--prompt-token-ids takes comma-separated integers: {e}") from None
+    prompts = list(args.prompt) + token_prompts
     if not prompts:
         raise InvalidRequest("give --prompt TEXT or --prompt-token-ids 1,2,3")
     llm = LLM(**engine_kwargs(args))

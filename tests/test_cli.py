@@ -1,0 +1,33 @@
+"""The CLI as users run it: `latentserve generate`, with clear errors and exit codes."""
+
+import json
+import subprocess
+import sys
+
+LS = [sys.executable, "-m", "service.cli"]
+
+
+def _run(*args, timeout=240):
+    return subprocess.run([*LS, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_tp2_text_and_token_ids():
+    p = _run("generate", "--model", "tiny", "--tp", "2", "--prompt", "Hello there", "--prompt-token-ids",
+             "5,6,7", "--max-tokens", "8", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    assert all(len(r["token_ids"]) == 8 or r["finish_reason"] == "stop" for r in rows)
+    assert isinstance(rows[0]["text"], str)
+
+
+def test_bad_tp_exits_2_with_reason():
+    p = _run("generate", "--model", "tiny", "--tp", "3", "--prompt", "x")
+    assert p.returncode == 2
+    assert "does not divide" in p.stderr
+
+
+def test_missing_model_exits_2():
+    p = _run("generate", "--model", "/nonexistent/ckpt", "--prompt", "x")
+    assert p.returncode == 2
+    assert "neither a preset" in p.stderr
