@@ -51,6 +51,8 @@ def main() -> int:
     ap.add_argument("--bench-tokens", type=int, default=32)
     ap.add_argument("--bench-prompt-len", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start)")
+    ap.add_argument("--native-rope", action="store_true",
+                    help="use vLLM's torch rotary path instead of its CPU C++ op (see scripts/anchors/README.md)")
     args = ap.parse_args()
     _env_defaults(args.tp)
 
@@ -66,6 +68,7 @@ def main() -> int:
         max_model_len=256,
         max_num_seqs=max([64, *batches]),
         enforce_eager=args.enforce_eager,
+        **({"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if args.native_rope else {}),
     )
     result: dict = {"engine": "vllm-cpu", "tp": args.tp, "load_s": time.perf_counter() - t0}
     _log(f"loaded in {result['load_s']:.1f} s")
