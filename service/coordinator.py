@@ -205,7 +205,7 @@ class Coordinator:
             outcomes, pending = call_ranks(self.executor.actors, "sleep", [(level,)] * len(self.executor.actors),
                                            timeout)
             if not all(o["ok"] for o in outcomes):
-                rollback = self._roll_back_sleep(pending, timeout)
+                rollback = self._roll_back_sleep(pending, self.deadline_s)  # not the caller's (maybe tiny) timeout
                 for o in outcomes:
                     o["rolled_back"] = rollback.get(o["rank"])
                 self._settle()
@@ -313,8 +313,8 @@ class Coordinator:
             return self.snapshot()
 
     def update_weights(self, source: dict, timeout: float | None = None) -> dict:
-        keys = [k for k in source if k in self.weight_sources]
-        if len(keys) != 1:
+        keys = list(source)
+        if len(keys) != 1 or keys[0] not in self.weight_sources:
             known = ", ".join(sorted(self.weight_sources))
             raise CoordinationError(422, f"the body needs exactly one weight source key ({known}); "
                                          f"got {sorted(source) or 'none'}")

@@ -33,8 +33,14 @@ def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(admin.router)
 
+    def count(request: Request, status: int) -> None:
+        endpoint = completions.ENDPOINTS.get(request.url.path)
+        if endpoint:
+            controller.metrics.requests.labels(endpoint, str(status)).inc()
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
+        count(request, e.status)
         # The openai client retries 409/5xx by default; only a transition in progress is worth it.
         headers = {"x-should-retry": "true" if e.retry else "false"}
         if e.retry:
@@ -47,11 +53,13 @@ def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
         first = errors[0] if errors else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        count(request, 422)
         body = APIError(422, msg, param=where or None, code="invalid_parameter").body()
         return JSONResponse(body, status_code=422, headers={"x-should-retry": "false"})
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
+        count(request, 500)
         log.error("unhandled", path=request.url.path, error=f"{type(e).__name__}: {e}", exc_info=True)
         body = APIError(500, f"{type(e).__name__}: {e}", code="internal_error").body()
         return JSONResponse(body, status_code=500, headers={"x-should-retry": "false"})

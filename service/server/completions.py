@@ -31,6 +31,7 @@ from .protocol import (
 )
 
 router = APIRouter()
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 def _controller(request: Request) -> Controller:
@@ -93,11 +94,8 @@ async def _serve(ctl: Controller, request: Request, endpoint: str, prompts, para
                 finals[out.request_id] = out
         outs = [finals[rid] for rid in route.request_ids]
         timer.finish(outs)
-        ctl.metrics.requests.labels(endpoint, "200").inc()
+        ctl.metrics.requests.labels(endpoint, "200").inc()  # errors are counted by the app's handlers
         return view.response(outs)
-    except APIError as e:
-        ctl.metrics.requests.labels(endpoint, str(e.status)).inc()
-        raise
     finally:
         watcher.cancel()
         ctl.metrics.in_flight.dec()

@@ -1,0 +1,67 @@
+"""Pieces of the HTTP service that need no ranks: request parsing, the lifecycle state names, and
+the admin API switched off when no key is configured."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.coordinator import LifecycleState
+from service.engine_config import EngineConfig
+from service.server.app import create_app
+from service.server.controller import Controller
+from service.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+
+def test_prompt_shapes():
+    assert CompletionRequest(prompt="hi").prompts() == [("hi", None)]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == [("a", None), ("b", None)]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [(None, [1, 2])]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [(None, [1]), (None, [2, 3])]
+    for bad in ([], [[1], []]):
+        with pytest.raises(APIError) as e:
+            CompletionRequest(prompt=bad).prompts()
+        assert e.value.status == 422
+
+
+def test_sampling_params_mapping_and_range_errors():
+    p = CompletionRequest(prompt="x", n=2, temperature=0, max_tokens=5, stop="!", seed=3, logprobs=1,
+                          top_k=4, ignore_eos=True).sampling_params()
+    assert (p.n, p.temperature, p.max_tokens, p.stop_list, p.seed, p.logprobs, p.top_k, p.ignore_eos) == \
+        (2, 0.0, 5, ["!"], 3, 1, 4, True)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "text", "text": "b"}]}],
+                                 logprobs=True, top_logprobs=3, max_completion_tokens=7)
+    assert chat.template_messages() == [{"role": "user", "content": "ab"}]
+    assert (chat.sampling_params().logprobs, chat.sampling_params().max_tokens) == (3, 7)
+    for kw in (dict(top_p=0.0), dict(max_tokens=0), dict(logprobs=99), dict(echo=True)):
+        with pytest.raises(APIError) as e:
+            CompletionRequest(prompt="x", **kw).sampling_params()
+        assert e.value.status == 422
+    with pytest.raises(APIError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2).sampling_params()
+
+
+def test_lifecycle_state_names_in_precedence_order():
+    s = LifecycleState(asleep=[set(), set()])
+    assert s.name == "running"
+    s.user_paused = True
+    assert s.name == "paused"
+    s.weights_valid = False
+    assert s.name == "weights-invalid"
+    s.sleep_level, s.asleep = 2, [{"weights"}, {"weights", "kv_cache"}]
+    assert s.name == "sleeping" and s.tags_asleep == ["kv_cache", "weights"]
+    s.failed = "rank 1 died"
+    assert s.name == "failed"
+
+
+def test_admin_api_is_off_without_a_key():
+    # The admin check runs before any route touches the ranks, so no ranks are started here.
+    ctl = Controller(EngineConfig(model="tiny").resolve(), model_name="tiny")
+    client = TestClient(create_app(ctl, admin_key=None))
+    for method, path in [("POST", "/sleep?level=1"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/update_weights"), ("GET", "/v1/status"), ("POST", "/restart"),
+                         ("POST", "/collective_rpc")]:
+        r = client.request(method, path, headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 403, path
+        assert "admin API is off" in r.json()["error"]["message"] and "--admin-key" in r.json()["error"]["message"]
