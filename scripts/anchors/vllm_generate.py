@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from decode_bench import bench_prompts, measure_decode  # beside this script (sys.path[0])
+
 
 def _env_defaults(tp: int) -> None:
     # A few hundred MiB of KV cache is plenty for these prompts; the default (GBs per rank)
@@ -29,11 +31,6 @@ def _env_defaults(tp: int) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(tp)))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def bench_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
-    # Deterministic, distinct prompts (no prefix sharing to exploit), ids clear of specials.
-    return [[4 + (b * 7919 + i * 104729) % (vocab_size - 4) for i in range(prompt_len)] for b in range(batch)]
 
 
 def _log(msg: str) -> None:
@@ -50,6 +47,7 @@ def main() -> int:
     ap.add_argument("--bench", default="", help="comma-separated batch sizes, e.g. 1,16,64")
     ap.add_argument("--bench-tokens", type=int, default=32)
     ap.add_argument("--bench-prompt-len", type=int, default=16)
+    ap.add_argument("--bench-repeats", type=int, default=2, help="best of N (the box is shared)")
     ap.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start)")
     ap.add_argument("--native-rope", action="store_true",
                     help="use vLLM's torch rotary path instead of its CPU C++ op (see scripts/anchors/README.md)")
@@ -92,26 +90,10 @@ def main() -> int:
         generate(bench_prompts(2, args.bench_prompt_len, vocab), 4)  # warm-up
         result["bench"] = []
         for batch in batches:
-            prompts = bench_prompts(batch, args.bench_prompt_len, vocab)
-            # Decode rate = extra tokens over extra time versus a prefill-only run, so
-            # prefill cost does not dilute the number.
-            t0 = time.perf_counter()
-            generate(prompts, 1)
-            t_prefill = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            generate(prompts, args.bench_tokens)
-            t_full = time.perf_counter() - t0
-            decode_tokens = batch * (args.bench_tokens - 1)
-            row = {
-                "batch": batch,
-                "tokens": args.bench_tokens,
-                "prefill_s": t_prefill,
-                "total_s": t_full,
-                "decode_tokens_per_s": decode_tokens / max(t_full - t_prefill, 1e-9),
-                "e2e_tokens_per_s": batch * args.bench_tokens / t_full,
-            }
+            row = measure_decode(generate, bench_prompts(batch, args.bench_prompt_len, vocab),
+                                 args.bench_tokens, args.bench_repeats)
             result["bench"].append(row)
-            _log(f"batch {batch}: decode {row['decode_tokens_per_s']:.1f} tok/s (total {t_full:.2f} s)")
+            _log(f"batch {batch}: decode {row['decode_tokens_per_s']:.1f} tok/s (total {row['total_s']:.2f} s)")
 
     text = json.dumps(result)
     if args.out:

