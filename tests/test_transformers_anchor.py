@@ -146,3 +146,11 @@ def test_paged_kv_matches_full_recompute(preset, latent_norm):
             full = full_logits(model, p + toks[:-1])[len(p) - 1:]
             diff = (torch.stack(rows) - full).abs().max().item()
             assert diff < 1e-4, f"paged logits differ from the full recompute by {diff}"
+
+
+def test_unimplemented_rope_scaling_is_a_clear_error():
+    from service.config import ConfigError
+
+    cfg = dataclasses.replace(PRESETS["tiny"], extra={"rope_scaling": {"type": "longrope", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="longrope"):
+        build_model(cfg, seed=None)
