@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from service.client import AsyncClient, Client  # noqa: E402
-from service.server.launch import LocalServer  # noqa: E402
+from service.server.launch import start_healthy  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -155,11 +155,11 @@ def main() -> int:
             p.error("loopback URLs only (this benchmark floods the server)")
         url, key = args.url, args.admin_key
     else:
-        server = LocalServer(["--model", args.model, "--tp", str(args.tp), "--enable-sleep-mode",
-                              "--sleep-preserve-parameter-names", "*",
-                              "--max-num-seqs", str(max(64, args.clients))])
-        log(f"starting {args.model} TP {args.tp} (log {server.log_path})")
-        log(f"ready in {server.wait_ready():.1f} s")
+        log(f"starting {args.model} TP {args.tp}")
+        server, seconds = start_healthy(["--model", args.model, "--tp", str(args.tp), "--enable-sleep-mode",
+                                         "--sleep-preserve-parameter-names", "*",
+                                         "--max-num-seqs", str(max(64, args.clients))])
+        log(f"ready in {seconds:.1f} s (log {server.log_path})")
         url, key = server.url, server.admin_key
     try:
         load = asyncio.run(load_phase(url, args.clients, args.requests, args.duration, args.prompt_len,

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from service.server.launch import LocalServer
+from service.server.launch import LocalServer, start_healthy
 
 
 def start_server(*extra: str, tp: int = 2, admin_key: str | None = "generated", timeout: float = 600.0,
                  env: dict | None = None) -> LocalServer:
     """`latentserve serve --model tiny --tp TP EXTRA...`, healthy."""
-    server = LocalServer(["--model", "tiny", "--tp", str(tp), *extra], admin_key=admin_key, env=env)
-    server.wait_ready(timeout)
-    return server
+    return start_healthy(["--model", "tiny", "--tp", str(tp), *extra], timeout, admin_key=admin_key, env=env)[0]
 
 
 @pytest.fixture(scope="module")

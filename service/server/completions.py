@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -76,12 +77,13 @@ async def _serve(ctl: Controller, request: Request, endpoint: str, prompts, para
                  stream: bool, include_usage: bool, top_n: int = 0):
     arrival = time.monotonic()
     route = await ctl.submit(prompts, params, prefix="chatcmpl" if endpoint == "chat" else "cmpl")
-    ctl.metrics.in_flight.inc()
     timer = _TokenTimer(ctl, endpoint, arrival)
     view = _View(ctl, endpoint, new_id("chatcmpl" if endpoint == "chat" else "cmpl"), top_n)
     if stream:
         gen = _stream(ctl, route, view, timer, include_usage, arrival + ctl.request_timeout_s)
-        return StreamingResponse(gen, media_type="text/event-stream",
+        # The generator releases the route when it ends; the background task covers a client gone
+        # before the generator ever started (then its `finally` never runs).
+        return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(_release, ctl, route),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_watch_disconnect(request, route))
     finals: dict[str, RequestOutput] = {}
@@ -90,6 +92,7 @@ async def _serve(ctl: Controller, request: Request, endpoint: str, prompts, para
             out = await ctl.next_output(route, arrival + ctl.request_timeout_s)
             timer.observe(out)
             if out.finished:
+                route.finished.add(out.request_id)
                 await ctl.check_output(out)
                 finals[out.request_id] = out
         outs = [finals[rid] for rid in route.request_ids]
@@ -98,8 +101,11 @@ async def _serve(ctl: Controller, request: Request, endpoint: str, prompts, para
         return view.response(outs)
     finally:
         watcher.cancel()
-        ctl.metrics.in_flight.dec()
-        ctl.release(route, abort=len(finals) < len(route.request_ids))
+        ctl.release(route)
+
+
+async def _release(ctl: Controller, route: Route) -> None:
+    ctl.release(route)  # on the event loop, like every other touch of the routes
 
 
 async def _watch_disconnect(request: Request, route: Route) -> None:
@@ -120,6 +126,8 @@ async def _stream(ctl: Controller, route: Route, view: _View, timer: _TokenTimer
         while len(finals) < len(route.request_ids):
             out = await ctl.next_output(route, deadline)
             timer.observe(out)
+            if out.finished:
+                route.finished.add(out.request_id)
             await ctl.check_output(out)
             for chunk in view.chunks(route.request_ids.index(out.request_id), out):
                 yield _sse(chunk)
@@ -136,8 +144,7 @@ async def _stream(ctl: Controller, route: Route, view: _View, timer: _TokenTimer
         yield "data: [DONE]\n\n"
     finally:
         ctl.metrics.requests.labels(view.endpoint, status).inc()
-        ctl.metrics.in_flight.dec()
-        ctl.release(route, abort=len(finals) < len(route.request_ids))
+        ctl.release(route)
 
 
 class _View:

@@ -46,6 +46,9 @@ class Route:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     request_ids: list[str] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)  # engine requests that reported their end
+    admitted: bool = False
+    released: bool = False
 
 
 class Controller:
@@ -149,17 +152,25 @@ class Controller:
             for rid, (text, ids) in zip(route.request_ids, prompts):
                 await self.rank0("add_request", rid, text, ids, params)
         except BaseException:
-            self.release(route, abort=True)
+            self.release(route)
             raise
+        route.admitted = True
+        self.metrics.in_flight.inc()
         return route
 
-    def release(self, route: Route, abort: bool) -> None:
-        """Forget a route; abort its engine requests if they may still run (client gone, error)."""
+    def release(self, route: Route) -> None:
+        """Forget a route (once); abort its engine requests that may still run (client gone, error)."""
+        if route.released:
+            return
+        route.released = True
         for rid in route.request_ids:
             self._routes.pop(rid, None)
-        if abort and self.executor is not None:
+        if route.admitted:
+            self.metrics.in_flight.dec()
+        unfinished = [rid for rid in route.request_ids if rid not in route.finished]
+        if unfinished and self.executor is not None:
             try:
-                self.executor.rank0.abort.remote(route.request_ids)  # fire and forget
+                self.executor.rank0.abort.remote(unfinished)  # fire and forget
             except Exception:
                 pass
 

@@ -22,6 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerExited(RuntimeError):
+    """The server process ended before it became healthy."""
+
+
 class LocalServer:
     """`latentserve serve ARGS` with a generated admin key; `stop()` ends it and its Ray children."""
 
@@ -55,7 +59,7 @@ class LocalServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+                raise ServerExited(f"the server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return time.monotonic() - self.started
@@ -77,3 +81,18 @@ class LocalServer:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)
+
+
+def start_healthy(serve_args: list[str], timeout: float = 600.0, **kw) -> tuple[LocalServer, float]:
+    """A healthy LocalServer and its startup seconds. One retry when the process dies during
+    startup: a local Ray cluster can fail to come up while others start on the same machine."""
+    for attempt in (1, 2):
+        server = LocalServer(serve_args, **kw)
+        try:
+            return server, server.wait_ready(timeout)
+        except ServerExited as e:
+            server.stop()
+            if attempt == 2:
+                raise
+            print(f"latentserve serve failed to start, retrying once: {str(e)[-2000:]}", file=sys.stderr)
+    raise AssertionError("unreachable")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..client import Client, ServiceError
-from .launch import LocalServer
+from .launch import start_healthy
 
 SEED_TABLE = "| Run | Tail fusion on (runners per rank) | Repeat | After L1 | After L2 #1 | After L2 #2 |"
 
@@ -165,9 +165,9 @@ def main(args: argparse.Namespace) -> int:
     server, startup = None, None
     url, key = args.url, args.admin_key
     if url is None:
-        server = LocalServer(_serve_args(args))
-        print(f"starting latentserve serve (TP {args.tp}) ... log: {server.log_path}", flush=True)
-        startup = server.wait_ready()
+        print(f"starting latentserve serve (TP {args.tp}) ...", flush=True)
+        server, startup = start_healthy(_serve_args(args))
+        print(f"  healthy after {startup:.1f} s (log: {server.log_path})", flush=True)
         url, key = server.url, server.admin_key
     elif not key:
         print("verify-sleep: --url needs --admin-key (or LATENTSERVE_ADMIN_KEY)")
