@@ -215,3 +215,29 @@ def test_health_and_metrics(server, admin):
     assert "latentserve_inter_token_latency_seconds_count" in text
     assert 'latentserve_state{latentserve_state="running"} 1.0' in text
     assert "latentserve_ranks_alive 2.0" in text
+
+
+def test_async_client_generation_streaming_and_admin(server):
+    import asyncio
+
+    from service.client import AsyncClient
+
+    async def run():
+        async with AsyncClient(server.url, server.admin_key, timeout=120) as c:
+            assert (await c.wait_ready(30))["status"] == "ok"
+            full, streamed = await asyncio.gather(
+                c.completions([[5, 6, 7]], max_tokens=6, temperature=0.0, ignore_eos=True),
+                _collect(c.stream_completions([[5, 6, 7]], max_tokens=6, temperature=0.0, ignore_eos=True)))
+            assert sum((ch["choices"][0]["token_ids"] for ch in streamed), []) == full["choices"][0]["token_ids"]
+            assert not await c.is_sleeping()
+            assert (await c.status())["tp"] == 2
+            try:
+                await c.sleep(1)
+            except ServiceError as e:
+                return e.status
+        return None
+
+    async def _collect(agen):
+        return [x async for x in agen]
+
+    assert asyncio.run(run()) == 409  # sleep mode is off on this server
