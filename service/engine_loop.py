@@ -15,13 +15,16 @@ from .engine.llm_engine import LLMEngine
 from .log import get_logger
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .worker import EngineStateError
 
 log = get_logger("engine")
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, weight_version):
+    def __init__(self, engine: LLMEngine, weight_version, refusal=lambda: None):
         self.engine = engine
+        # callable -> reason the ranks cannot run a forward now (asleep, weights discarded), or None
+        self._refusal = refusal
         self._weight_version = weight_version  # callable: the version stamped on outputs
         self._cv = threading.Condition()
         self._paused = False
@@ -36,9 +39,17 @@ class EngineLoop:
         self._thread.start()
 
     # ---- requests -----------------------------------------------------------------
+    def _check_accepting(self) -> None:
+        reason = self._refusal()
+        if reason:
+            raise EngineStateError(reason)
+        if self._paused:
+            raise EngineStateError("the engine is paused: resume it (or wake it up) before generating")
+
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
             params: SamplingParams) -> None:
         with self._cv:
+            self._check_accepting()
             self.engine.add_request(request_id, prompt, prompt_token_ids, params)
             self._cv.notify_all()
 
@@ -62,6 +73,7 @@ class EngineLoop:
         ids = [r[0] for r in requests]
         events = []
         with self._cv:
+            self._check_accepting()
             for rid in ids:
                 events.append(self._waiters[rid])
             try:

@@ -33,7 +33,7 @@ class RankActor(RankWorker):
             max_model_len=cfg.max_model_len, eos_token_id=cfg.model_config.eos_token_id,
             vocab_size=cfg.model_config.vocab_size,
         )
-        self.loop = EngineLoop(engine, lambda: self.weight_version)
+        self.loop = EngineLoop(engine, lambda: self.weight_version, self.refusal)
 
     # engine-loop passthroughs (rank 0 only)
     def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:

@@ -48,8 +48,11 @@ class RankWorker:
         self.failed: str | None = None
         self.same_node = True
         self._exec_lock = threading.Lock()
+        self._plan_lock = threading.Lock()
         self._fail_next_sleep = False
         self._follower_thread: threading.Thread | None = None
+        self._probe_cv = threading.Condition()
+        self._probe_results: list[dict] = []
 
     # ---- setup -----------------------------------------------------------------
     def rendezvous_address(self) -> str:
@@ -157,17 +160,23 @@ class RankWorker:
                           for i in range(mcfg.num_hidden_layers)]
 
     # ---- execution -----------------------------------------------------------------
-    def check_runnable(self) -> None:
+    def refusal(self) -> str | None:
+        """Why this rank cannot run a forward now, or None."""
         if self.failed:
-            raise EngineStateError(f"rank {self.rank} failed earlier and needs a restart: {self.failed}")
+            return f"rank {self.rank} failed earlier and needs a restart: {self.failed}"
         asleep = self.pool.asleep_tags
         if "weights" in asleep:
-            raise EngineStateError("the weights are asleep: call wake_up(tags=['weights']) first")
+            return "the weights are asleep: call wake_up(tags=['weights']) first"
         if "kv_cache" in asleep:
-            raise EngineStateError("the KV cache is asleep: call wake_up(tags=['kv_cache']) first")
+            return "the KV cache is asleep: call wake_up(tags=['kv_cache']) first"
         if not self.pool.weights_valid:
-            raise EngineStateError("level-2 sleep discarded the weights: load new weights "
-                                   "(update_weights) before generating")
+            return "level-2 sleep discarded the weights: load new weights (update_weights) before generating"
+        return None
+
+    def check_runnable(self) -> None:
+        reason = self.refusal()
+        if reason:
+            raise EngineStateError(reason)
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         from .model.attention import AttnMetadata
@@ -183,12 +192,13 @@ class RankWorker:
     def execute_step(self, plan: StepPlan) -> torch.Tensor | None:
         """Rank 0: send the plan to every rank, then run it here too."""
         self.check_runnable()
-        self.tp.broadcast_object(("step", plan))
-        try:
-            return self.execute(plan)
-        except Exception as e:
-            self._note_failure(e)
-            raise
+        with self._plan_lock:  # plans and probes reach the followers in one order
+            self.tp.broadcast_object(("step", plan))
+            try:
+                return self.execute(plan)
+            except Exception as e:
+                self._note_failure(e)
+                raise
 
     def _note_failure(self, e: Exception) -> None:
         from .tail.base import TailTimeout
@@ -205,7 +215,13 @@ class RankWorker:
             if kind == "stop":
                 return
             try:
-                self.execute(payload)
+                if kind == "probe":
+                    result = self._probe(payload)
+                    with self._probe_cv:
+                        self._probe_results.append(result)
+                        self._probe_cv.notify_all()
+                else:
+                    self.execute(payload)
             except Exception as e:  # keep following: rank 0 reports the error to clients
                 self._note_failure(e)
 
@@ -343,8 +359,23 @@ class RankWorker:
         self.collective.zero_flags()
         return {"rank": self.rank, "tail_epochs": self.tail_epochs()}
 
-    def rpc_probe_forward(self, token_ids: list[int]) -> dict:
-        """Run one cache-less forward regardless of state (all ranks together): NaN shows stale reads."""
+    def rpc_probe_forward(self, token_ids: list[int], timeout: float = 60.0) -> dict:
+        """One cache-less forward regardless of sleep state, on all ranks: NaN shows stale reads.
+
+        It needs the TP group, so rank 0 sends it down the plan channel like a step; the other
+        ranks answer with the result their follower loop got.
+        """
+        if self.rank == 0:
+            with self._plan_lock:
+                if self.world_size > 1:
+                    self.tp.broadcast_object(("probe", list(token_ids)))
+                return self._probe(token_ids)
+        with self._probe_cv:
+            if not self._probe_cv.wait_for(lambda: self._probe_results, timeout):
+                raise TimeoutError(f"rank {self.rank}: no probe arrived from rank 0 within {timeout}s")
+            return self._probe_results.pop(0)
+
+    def _probe(self, token_ids: list[int]) -> dict:
         from .engine.plan import SeqChunk
         from .model.attention import AttnMetadata
 
