@@ -53,6 +53,7 @@ class RankWorker:
         self._follower_thread: threading.Thread | None = None
         self._probe_cv = threading.Condition()
         self._probe_results: list[dict] = []
+        self._stale: set[str] = set()  # weights discarded by level 2 and not yet reloaded
 
     # ---- setup -----------------------------------------------------------------
     def rendezvous_address(self) -> str:
@@ -109,8 +110,7 @@ class RankWorker:
             return runner
 
         with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(mcfg, self.tp, tail_factory=tail_factory)
-        model = model.to(cfg.torch_dtype)
+            model = DeepseekV3ForCausalLM(mcfg, self.tp, tail_factory=tail_factory, dtype=cfg.torch_dtype)
         self.pool.materialize(model, list(cfg.sleep_preserve_parameter_names))
         model.reset_buffers()
         model.eval()
@@ -170,7 +170,10 @@ class RankWorker:
         if "kv_cache" in asleep:
             return "the KV cache is asleep: call wake_up(tags=['kv_cache']) first"
         if not self.pool.weights_valid:
-            return "level-2 sleep discarded the weights: load new weights (update_weights) before generating"
+            missing = sorted(self._stale)
+            detail = f" ({len(missing)} still missing, e.g. {missing[0]})" if missing else ""
+            return ("level-2 sleep discarded the weights: load new weights (update_weights) before "
+                    f"generating{detail}")
         return None
 
     def check_runnable(self) -> None:
@@ -242,7 +245,19 @@ class RankWorker:
             raise RuntimeError(f"rank {self.rank}: injected sleep failure (test hook)")
         with self._exec_lock:
             report = self.pool.sleep(level) if level > 0 else {"level": 0, "noop": "level 0 only pauses"}
+            if not self.pool.weights_valid and not self._stale:
+                # Level 2 discarded parameter memory: every non-preserved weight must be sent again.
+                self._stale = set(self._discardable_weights())
         return self._report(report)
+
+    def _discardable_weights(self) -> list[str]:
+        import fnmatch
+
+        from .weights import weight_specs
+
+        globs = self.config.sleep_preserve_parameter_names
+        return [s.hf_name for s in weight_specs(self.config.model_config)
+                if not any(fnmatch.fnmatchcase(s.param, g) for g in globs)]
 
     def wake_up(self, tags: list[str] | None = None) -> dict:
         with self._exec_lock:
@@ -269,7 +284,7 @@ class RankWorker:
         t0 = time.perf_counter()
         with self._exec_lock:
             weights.load_checkpoint(self.model, self.config.model_config, self.tp, path, progress=False)
-            return self._weights_loaded(version, t0)
+            return self._weights_loaded(version, t0, None)
 
     def update_weights_from_tensors(self, named_tensors: list, version: int) -> dict:
         from . import weights
@@ -283,7 +298,7 @@ class RankWorker:
             raise ValueError("weight update rejected, nothing changed: " + "; ".join(problems))
         with self._exec_lock:
             weights.load_weights(self.model, self.config.model_config, self.tp, named)
-            return self._weights_loaded(version, t0)
+            return self._weights_loaded(version, t0, [n for n, _ in named])
 
     def update_weights_from_group(self, host: str, port: int, metas: list[dict], version: int,
                                   bucket_bytes: int, backend: str = "gloo", timeout_s: float = 120.0) -> dict:
@@ -302,17 +317,21 @@ class RankWorker:
                 for name, tensor in group.receive(tmetas, bucket_bytes):
                     weights.load_weights(self.model, self.config.model_config, self.tp, [(name, tensor)])
                     received += tensor.numel() * tensor.element_size()
-                report = self._weights_loaded(version, t0)
+                report = self._weights_loaded(version, t0, [m.name for m in tmetas])
         finally:
             group.close()
         report["bytes"] = received
         report["gbps"] = round(received / max(report["seconds"], 1e-9) / 1e9, 3)
         return report
 
-    def _weights_loaded(self, version: int, t0: float) -> dict:
-        self.pool.mark_weights_loaded()
+    def _weights_loaded(self, version: int, t0: float, names: list[str] | None) -> dict:
+        """names: the weights written (None: a whole checkpoint)."""
+        self._stale = set() if names is None else self._stale - set(names)
+        if not self._stale:
+            self.pool.mark_weights_loaded()
         self.weight_version = version
-        return {"rank": self.rank, "weight_version": version, "seconds": round(time.perf_counter() - t0, 4)}
+        return {"rank": self.rank, "weight_version": version, "weights_valid": self.pool.weights_valid,
+                "missing_weights": len(self._stale), "seconds": round(time.perf_counter() - t0, 4)}
 
     # ---- diagnostics -----------------------------------------------------------------
     def collective_rpc(self, method: str, *args, **kwargs):

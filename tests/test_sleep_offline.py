@@ -38,9 +38,14 @@ def test_level2_releases_parameters_and_refuses_until_new_weights(llm):
     # Forcing a forward reads the poisoned parameters: NaN, not stale values.
     probes = llm.collective_rpc("probe_forward", [3, 14, 15])
     assert all(p["nan"] for p in probes)
+    # A partial update cannot make discarded weights valid again.
+    full = list(checkpoint_tensors(llm.config.model_config, seed=0))
+    llm.update_weights([(n, t) for n, t in full if n == "lm_head.weight"])
+    with pytest.raises(EngineStateError, match="still missing"):
+        llm.generate(PROMPTS, GREEDY)
     # New weights (the same logical model) make the engine serve the same tokens again.
-    version = llm.update_weights(checkpoint_tensors(llm.config.model_config, seed=0))
-    assert version == 1
+    version = llm.update_weights(full)
+    assert version == 2
     assert _toks(llm) == before
 
 
