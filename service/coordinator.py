@@ -330,7 +330,11 @@ class Coordinator:
             if not self._engine_paused:
                 self._pause_engine("wait", timeout)
             version = s.weight_version + 1
-            outcomes = self.weight_sources[kind](source[kind], version, timeout)
+            try:
+                outcomes = self.weight_sources[kind](source[kind], version, timeout)
+            except CoordinationError:  # rejected before any rank changed: serve on
+                self._settle()
+                raise
             if not all(o["ok"] for o in outcomes):
                 changed = any(o["ok"] for o in outcomes)
                 if changed:  # some ranks hold the new weights, some the old: not servable
@@ -342,7 +346,12 @@ class Coordinator:
                 raise CoordinationError(status, f"update_weights({kind}) failed: {_errors(outcomes)}"
                                         + ("" if changed else "; no weights changed"), outcomes)
             s.weight_version = version
-            s.weights_valid = True
+            results = [o["result"] for o in outcomes if isinstance(o.get("result"), dict)]
+            missing = max((r.get("missing_weights", 0) for r in results), default=0)
+            s.weights_valid = all(r.get("weights_valid", True) for r in results)
+            if not s.weights_valid:
+                s.weights_note = (f"level-2 sleep discarded weights this update did not include "
+                                  f"({missing} still missing)")
             self.last_weights = {kind: source[kind], "version": version}
             self._settle()
             seconds = time.perf_counter() - t0

@@ -120,3 +120,71 @@ class SyncGroup:
 
 def describe(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
     return [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in named]
+
+
+# ---- trainer side: push through a running service --------------------------------------------
+def push_via_group(client, named_tensors, *, host: str = "127.0.0.1", port: int | None = None,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: str = "gloo",
+                   timeout_s: float = 120.0) -> dict:
+    """Broadcast `named_tensors` (full HF-named tensors) to every rank of the service behind `client`.
+
+    The HTTP call (which makes the ranks join) and the group set-up run side by side; if the
+    service rejects the update (bad names/shapes), that error is raised without waiting for a
+    group that will never form.
+    """
+    import threading
+
+    named = dict(named_tensors)
+    metas = describe(named.items())
+    tp = client.status()["tp"]
+    port = port or free_port(host)
+    spec = {"host": host, "port": port, "tensors": [m.to_json() for m in metas], "bucket_bytes": bucket_bytes,
+            "backend": backend, "timeout_s": timeout_s}
+    box: dict = {}
+
+    def call() -> None:
+        try:
+            box["response"] = client.update_weights(group=spec)
+        except Exception as e:  # surfaced in the caller's thread
+            box["error"] = e
+
+    def join() -> None:
+        try:
+            box["group"] = SyncGroup(host, port, 0, tp + 1, backend=backend, timeout_s=timeout_s)
+        except Exception as e:
+            box["group_error"] = e
+
+    http = threading.Thread(target=call, name="weight-sync-http", daemon=True)
+    grp = threading.Thread(target=join, name="weight-sync-join", daemon=True)
+    http.start()
+    grp.start()
+    while grp.is_alive():
+        grp.join(0.05)
+        if "error" in box:
+            raise box["error"]
+    if "group_error" in box:
+        raise box["group_error"]
+    import time
+
+    t0 = time.perf_counter()
+    sent = box["group"].send(named, metas, bucket_bytes)
+    seconds = time.perf_counter() - t0
+    http.join(timeout_s)
+    box["group"].close()
+    if "error" in box:
+        raise box["error"]
+    response = box["response"]
+    response["trainer"] = {"bytes": sent, "seconds": seconds, "gbps": sent / max(seconds, 1e-9) / 1e9}
+    return response
+
+
+def push_via_refs(client, named_tensors) -> dict:
+    """From a process connected to the service's Ray cluster (e.g. a trainer actor): put the tensors
+    in the object store, deposit the refs in the service's inbox, then ask for the update."""
+    import ray
+
+    info = client.status()["ray"]
+    inbox = ray.get_actor(info["weight_inbox"], namespace=info["namespace"])
+    pairs = [(name, ray.put(t.detach().cpu().contiguous())) for name, t in dict(named_tensors).items()]
+    token = ray.get(inbox.deposit.remote(pairs))
+    return client.update_weights(refs={"token": token})

@@ -300,6 +300,14 @@ class RankWorker:
             weights.load_weights(self.model, self.config.model_config, self.tp, named)
             return self._weights_loaded(version, t0, [n for n, _ in named])
 
+    def update_weights_from_refs(self, named_refs: list, version: int) -> dict:
+        """(name, ObjectRef) pairs from a trainer in the same Ray cluster (see weight_transports)."""
+        import ray
+
+        names = [n for n, _ in named_refs]
+        tensors = ray.get([r for _, r in named_refs])
+        return self.update_weights_from_tensors(list(zip(names, tensors)), version)
+
     def update_weights_from_group(self, host: str, port: int, metas: list[dict], version: int,
                                   bucket_bytes: int, backend: str = "gloo", timeout_s: float = 120.0) -> dict:
         """Join the trainer's sync group as rank (tp_rank + 1) and load what it broadcasts."""

@@ -21,6 +21,7 @@ from ..engine_config import EngineConfig
 from ..log import get_logger
 from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
+from ..weight_transports import INBOX_NAMESPACE
 from ..worker import DIAGNOSTICS, TEST_HOOKS
 from .metrics import Metrics
 from .protocol import APIError
@@ -78,6 +79,7 @@ class Controller:
         """Start the ranks (blocking, minutes for big models; progress goes to the log)."""
         from ..executor import RayExecutor
         from ..tokenizer import get_tokenizer
+        from ..weight_transports import sources, start_inbox
 
         t0 = time.perf_counter()
         cfg = self.config
@@ -88,6 +90,8 @@ class Controller:
         self.executor = RayExecutor(cfg)
         self.coordinator = Coordinator(self.executor, sleep_enabled=cfg.enable_sleep_mode,
                                        deadline_s=self.deadline_s, on_change=self._state_changed)
+        self.inbox, self.inbox_name = start_inbox()
+        self.coordinator.weight_sources.update(sources(lambda: self.executor, cfg.model_config, self.inbox))
         self._state_changed(self.coordinator.state)
         self.health = {"ok": True, "reason": None}
         log.info("ready", seconds=round(time.perf_counter() - t0, 2), nodes=len(set(self.executor.nodes)),
@@ -308,6 +312,8 @@ class Controller:
             engine = {"error": error_text(e)}
         return {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
                 "tp": n, "same_node": self.executor.same_node, "nodes": list(self.executor.nodes),
+                "ray": {"address": ray.get_runtime_context().gcs_address, "namespace": INBOX_NAMESPACE,
+                        "weight_inbox": self.inbox_name},
                 "engine": engine, "ranks": ranks}
 
     def restart(self) -> dict:

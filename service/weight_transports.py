@@ -1,0 +1,95 @@
+"""The RLHF weight transports behind `POST /update_weights`, besides `{"path": DIR}`.
+
+- `{"group": {...}}`: the trainer joins a process group with the ranks and broadcasts named
+  tensors in buckets (gloo on CPU, NCCL on GPU); see `weight_sync.py`.
+- `{"refs": {"token": ...}}`: a trainer running as a Ray actor in the service's cluster puts its
+  tensors in the object store and deposits the refs in the service's `WeightInbox` actor; the
+  controller takes them from there and hands them to every rank. Refs travel in-band (actor
+  calls), so Ray tracks who borrows them and frees the objects after the update.
+
+Every source validates names, shapes and dtypes before any rank changes a weight.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import ray
+
+from .coordinator import CoordinationError, call_ranks
+from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
+
+INBOX_NAMESPACE = "latentserve"
+
+
+class WeightInbox:
+    """A mailbox of (name, ObjectRef) parcels, keyed by a token the trainer sends over HTTP."""
+
+    def __init__(self):
+        self._parcels: dict[str, list] = {}
+
+    def deposit(self, named_refs: list) -> str:
+        token = uuid.uuid4().hex
+        self._parcels[token] = list(named_refs)
+        return token
+
+    def take(self, token: str) -> list:
+        if token not in self._parcels:
+            raise KeyError(f"no weights deposited under token {token!r} (already taken, or wrong inbox)")
+        return self._parcels.pop(token)
+
+    def pending(self) -> int:
+        return len(self._parcels)
+
+
+def start_inbox() -> tuple[object, str]:
+    name = f"latentserve-inbox-{uuid.uuid4().hex[:8]}"
+    actor = ray.remote(num_cpus=0)(WeightInbox).options(name=name, namespace=INBOX_NAMESPACE).remote()
+    return actor, name
+
+
+def sources(executor_of: Callable[[], object], model_config, inbox) -> dict:
+    """Weight sources for `Coordinator.weight_sources`; `executor_of()` is the current executor."""
+
+    def group(spec, version: int, timeout: float) -> list[dict]:
+        if not isinstance(spec, dict) or "port" not in spec or "tensors" not in spec:
+            raise CoordinationError(422, 'group needs {"host", "port", "tensors": [{name, shape, dtype}], ...}')
+        try:
+            metas = [TensorMeta.from_json(m) for m in spec["tensors"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CoordinationError(422, f"bad tensor list: {e}") from None
+        _check(model_config, {m.name: (m.shape, m.dtype) for m in metas})
+        actors = executor_of().actors
+        args = (spec.get("host", "127.0.0.1"), int(spec["port"]), [m.to_json() for m in metas], version,
+                int(spec.get("bucket_bytes", DEFAULT_BUCKET_BYTES)), spec.get("backend", "gloo"),
+                float(spec.get("timeout_s", timeout)))
+        outcomes, _ = call_ranks(actors, "update_weights_from_group", [args] * len(actors), timeout)
+        return outcomes
+
+    def refs(spec, version: int, timeout: float) -> list[dict]:
+        if not isinstance(spec, dict) or "token" not in spec:
+            raise CoordinationError(422, 'refs needs {"token": ...} from WeightInbox.deposit')
+        try:
+            named_refs = ray.get(inbox.take.remote(spec["token"]), timeout=timeout)
+        except Exception as e:
+            raise CoordinationError(400, f"refs: {getattr(e, 'cause', None) or e}") from None
+        actors = executor_of().actors
+        outcomes, _ = call_ranks(actors, "update_weights_from_refs", [(named_refs, version)] * len(actors), timeout)
+        return outcomes
+
+    return {"group": group, "refs": refs}
+
+
+def _check(model_config, shapes: dict) -> None:
+    from .weights import check_weights
+
+    problems = check_weights(model_config, {n: (tuple(s), _torch_dtype(d)) for n, (s, d) in shapes.items()})
+    if problems:
+        raise CoordinationError(422, "weight update rejected, nothing changed: " + "; ".join(problems[:20]))
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
