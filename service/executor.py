@@ -58,7 +58,7 @@ class RayExecutor:
                 opts["num_gpus"] = 1
             self.actors.append(actor_cls.options(**opts).remote(rank, config))
         t0 = time.perf_counter()
-        addr = ray.get(self.actors[0].rendezvous_address.remote())
+        addr = ray.get(self.actors[0].rendezvous_address.remote(not self.same_node))
         group = f"ls{uuid.uuid4().hex[:10]}"
         infos = ray.get([a.init.remote(addr, self.same_node, group) for a in self.actors])
         ray.get([a.start.remote() for a in self.actors])

@@ -54,11 +54,16 @@ class RankWorker:
         self._probe_cv = threading.Condition()
         self._probe_results: list[dict] = []
         self._stale: set[str] = set()  # weights discarded by level 2 and not yet reloaded
+        self.decode_graphs = None  # CUDA graphs of the decode step (model/cuda_graph.py)
 
     # ---- setup -----------------------------------------------------------------
-    def rendezvous_address(self) -> str:
-        """Called on rank 0: a TCP address on this node for torch.distributed."""
-        host = socket.gethostbyname(socket.gethostname()) if os.environ.get("LATENTSERVE_MULTI_NODE") else "127.0.0.1"
+    def rendezvous_address(self, multi_node: bool = False) -> str:
+        """Called on rank 0: a TCP address for torch.distributed, reachable from every rank's node."""
+        host = "127.0.0.1"
+        if multi_node:
+            import ray
+
+            host = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -85,6 +90,10 @@ class RankWorker:
         self._build_model(group_name)
         self._load_initial_weights()
         self._allocate_kv_cache()
+        if self.device.type == "cuda":
+            from .model.cuda_graph import for_worker
+
+            self.decode_graphs = for_worker(self.model, self.kv_caches, cfg)
         self.tp.barrier()
         info = {"rank": self.rank, "threads": threads, "seconds": round(time.perf_counter() - t0, 3),
                 "tail": self.tail_summary()}
@@ -185,6 +194,10 @@ class RankWorker:
         from .model.attention import AttnMetadata
 
         with self._exec_lock, torch.inference_mode():
+            if self.decode_graphs is not None:
+                logits = self.decode_graphs.run(plan.chunks)
+                if logits is not None:
+                    return logits
             meta = AttnMetadata.build(plan.chunks, self.config.block_size, self.device)
             ids = torch.tensor([t for c in plan.chunks for t in c.token_ids], dtype=torch.long, device=self.device)
             hidden = self.model(ids, meta, self.kv_caches)
