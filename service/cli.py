@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--admin-key", default=os.environ.get("LATENTSERVE_ADMIN_KEY"))
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--rank-deadline-s", type=float, default=None,
+                   help="deadline for sleep/wake/update on every rank (default env LATENTSERVE_RANK_DEADLINE_S or 120)")
+    s.add_argument("--request-timeout-s", type=float, default=None,
+                   help="longest a generation request may take (default env LATENTSERVE_REQUEST_TIMEOUT_S or 600)")
     s.add_argument("--enable-test-hooks", action="store_true",
                    help="allow state-changing collective_rpc hooks (negative controls); never in production")
     s.set_defaults(func=cmd_serve)
