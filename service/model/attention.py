@@ -20,6 +20,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..engine.plan import SeqChunk
 from ..parallel import TPGroup
+from . import mla_decode
 from .layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -57,8 +58,11 @@ class AttnMetadata:
     # Single-token chunks, run together in the absorbed form.
     decode_token_idx: torch.Tensor  # [B] long, token index of each decode
     decode_block_tables: torch.Tensor  # [B, max decode blocks] long
-    decode_mask: torch.Tensor  # [B, max decode blocks * block_size] bool: slot holds context
+    decode_mask: torch.Tensor | None  # [B, max decode blocks * block_size] bool: slot holds context
     prefill_chunks: list[int]  # chunk indices with more than one token
+    # [B] long, each decode's context after this step (the Triton kernel and CUDA graphs read it;
+    # None only in metadata built by hand, which must then give decode_mask).
+    decode_context_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +136,7 @@ class AttnMetadata:
             decode_block_tables=dev(decode_tables),
             decode_mask=dev(decode_mask),
             prefill_chunks=[i for i, n in enumerate(query_lens) if n > 1],
+            decode_context_lens=dev(decode_ctx),
         )
 
 
@@ -190,7 +195,9 @@ class MLAAttention(nn.Module):
                 raise ValueError("the chunks' block tables do not cover their context: cannot use the KV cache")
             flat = kv_cache.view(-1, kv_cache.shape[-1])
             flat.index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
-            if meta.decode_token_idx.numel():
+            if not meta.prefill_chunks:  # decodes only (token i is decode i): no gather, no scatter
+                out = self._absorbed_decode(q, kv_cache, meta)
+            elif meta.decode_token_idx.numel():
                 out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
             for i in meta.prefill_chunks:
                 s, e = qsl[i], qsl[i + 1]
@@ -198,7 +205,7 @@ class MLAAttention(nn.Module):
                 ctx = kv_cache[meta.block_tables[i, :nblocks]].view(-1, kv_cache.shape[-1])
                 ctx = ctx[: meta.context_lens_list[i]].to(x.dtype)
                 out[s:e] = self._expanded(q[s:e], ctx, meta.start_positions[i])
-        return self.o_proj(out.view(t, self.num_heads * self.v_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
     def _expanded(self, q: torch.Tensor, latent: torch.Tensor, start: int) -> torch.Tensor:
         """q [n, heads, qk] at positions start.. attend over latent [S = start + n, kv_cache_dim]."""
@@ -225,6 +232,12 @@ class MLAAttention(nn.Module):
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]
         # [c_kv | k_pe] rows match [q_latent | q_pe]: one matmul scores both parts.
         q_cat = torch.cat([q_latent, q[..., self.nope:]], dim=-1)
+        if meta.decode_context_lens is not None and mla_decode.supported(q_cat, kv_cache, self.kv_lora_rank):
+            o_latent = mla_decode.mla_decode(q_cat, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                             self.kv_lora_rank, self.scale).to(q.dtype)
+            return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        if meta.decode_mask is None:
+            raise ValueError("decode metadata without decode_mask needs the Triton decode kernel")
         pad = ~meta.decode_mask
         # Advanced indexing copies, so masking in place leaves the cache alone. Slots past the
         # context hold stale or poisoned (NaN) data, and 0 * NaN is NaN: zero them.

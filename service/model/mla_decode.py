@@ -1,0 +1,144 @@
+"""Paged MLA decode in the absorbed form, as one Triton kernel plus a small torch merge.
+
+Each program owns (sequence, block of heads, split of the context): it walks its split of the
+sequence's cached latents through the block table, scores them against the absorbed query
+[q_latent | q_pe] and keeps an online softmax, so the context is read once, in place, as
+latents (no gather into a padded copy, no per-sequence Python). Splits (flash-decoding) keep
+the GPU busy when the batch is small; their partial outputs merge by log-sum-exp.
+
+The split count depends on the batch size only, never on context lengths read from the
+device, so a CUDA graph captured for a batch size stays valid for any context.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the torch path in attention.py is used
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+BLOCK_H = 16  # tl.dot needs at least 16 rows; fewer heads are masked
+TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs
+MAX_SPLITS = 16
+
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """The kernel runs when Triton can (CUDA, or the interpreter on CPU) and the latent and rope
+    widths are powers of two >= 16 (tl.dot and tl.arange need both)."""
+    if triton is None or not (q.is_cuda or INTERPRET):
+        return False
+    rope = kv_cache.shape[-1] - kv_lora_rank
+
+    def pow2(n: int) -> bool:
+        return n >= 16 and n & (n - 1) == 0
+
+    return (pow2(kv_lora_rank) and pow2(rope) and q.dtype == kv_cache.dtype
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def num_splits(batch: int, num_heads: int) -> int:
+    programs = batch * -(-num_heads // BLOCK_H)
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // programs)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mla_decode_split(q_ptr, kv_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+                          stride_qb, stride_qh, stride_slot, stride_bt,
+                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                          num_heads, scale,
+                          BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        hblk = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + b)
+        # Splits start on BLOCK_N boundaries; trailing splits may be empty.
+        per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, ctx)
+
+        heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < num_heads
+        d_lat = tl.arange(0, D_LAT)
+        d_pe = tl.arange(0, D_PE)
+        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q_lat = tl.load(q_row + d_lat[None, :], mask=hmask[:, None], other=0.0)
+        q_pe = tl.load(q_row + D_LAT + d_pe[None, :], mask=hmask[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs < end
+            blk = tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=nmask, other=0)
+            slot = blk.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
+            # Masked loads give 0 for slots past the context: they may hold NaN (poisoned pages).
+            k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
+            k_pe = tl.load(kv_ptr + slot[:, None] * stride_slot + D_LAT + d_pe[None, :],
+                           mask=nmask[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+                s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+            else:
+                s = tl.dot(q_lat, tl.trans(k_lat))
+                s += tl.dot(q_pe, tl.trans(k_pe))
+            s = tl.where(nmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+            m_i = m_new
+
+        # Every split writes both outputs, empty ones (0, -inf), so the merge never reads garbage.
+        nonempty = l_i > 0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        o_row = o_ptr + b * stride_ob + split * stride_os + heads[:, None] * stride_oh
+        tl.store(o_row + d_lat[None, :], out, mask=hmask[:, None])
+        tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
+
+
+def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
+               splits: int | None = None) -> torch.Tensor:
+    """q_cat [B, H, kv_lora_rank + rope] (absorbed query | roped query); kv_cache
+    [num_blocks, block_size, kv_lora_rank + rope]; block_tables [B, W] (any int dtype);
+    context_lens [B] >= 1. Returns the attention output in latent space, [B, H, kv_lora_rank] fp32."""
+    b, h, d = q_cat.shape
+    if q_cat.stride(-1) != 1:
+        q_cat = q_cat.contiguous()
+    nb, block_size, width = kv_cache.shape
+    if width != d or kv_cache.stride(-1) != 1 or kv_cache.stride(0) != block_size * kv_cache.stride(1):
+        raise ValueError(f"kv cache {tuple(kv_cache.shape)} strides {kv_cache.stride()} do not fit q {tuple(q_cat.shape)}")
+    splits = splits or num_splits(b, h)
+    o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_cat.device)
+    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_cat.device)
+    ieee = q_cat.dtype == torch.float32
+    grid = (b, -(-h // BLOCK_H), splits)
+    _mla_decode_split[grid](
+        q_cat, kv_cache, block_tables, context_lens, o, lse,
+        q_cat.stride(0), q_cat.stride(1), kv_cache.stride(1), block_tables.stride(0),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        h, scale,
+        BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
+        BLOCK_N=16 if ieee else 32, NUM_SPLITS=splits, IEEE=ieee, num_warps=8, num_stages=2,
+    )
+    if splits == 1:
+        return o[:, 0]
+    # Log-sum-exp merge; split 0 is never empty (context >= 1), so the max is finite.
+    w = torch.exp(lse - lse.amax(dim=1, keepdim=True))  # [B, S, H]
+    return (o * w[..., None]).sum(dim=1) / w.sum(dim=1)[..., None]
