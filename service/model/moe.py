@@ -52,6 +52,14 @@ class TopkRouter(KeepFloat32, nn.Module):
         return weights * self.scaling, ids
 
 
+def grouped_mm_fast(x: torch.Tensor) -> bool:
+    """torch._grouped_mm has fused CUTLASS kernels for bf16 on sm_90/sm_100 only; elsewhere it
+    falls back to a loop that syncs with the host, no better than `per_expert`."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
 class FusedExperts(nn.Module):
     """All routed experts of a layer in three tensors, this rank's intermediate shard:
     w1 (gate) [E, I/tp, W], w3 (up) [E, I/tp, W], w2 (down) [E, W, I/tp]."""
@@ -66,6 +74,29 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [M, W]; weights/ids [M, k]. Returns this rank's partial sum over experts [M, W]."""
+        if grouped_mm_fast(x):
+            return self.grouped(x, weights, ids)
+        return self.per_expert(x, weights, ids)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Three grouped GEMMs over the (token, expert) pairs sorted by expert. No host sync and
+        static shapes, so it runs inside CUDA graphs; deterministic (no atomics)."""
+        m, k = ids.shape
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group; empty groups allowed
+        xs = x.index_select(0, order // k)
+        h = F.silu(torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
+            xs, self.w3.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs).float()
+        y = y * weights.flatten().index_select(0, order).unsqueeze(1)
+        # Back to (token, slot) order, then a fixed-order sum over the k slots.
+        pairs = torch.empty_like(y).index_copy_(0, order, y)
+        return pairs.view(m, k, -1).sum(dim=1).to(x.dtype)
+
+    def per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
         out = torch.zeros(x.shape[0], self.w2.shape[1], dtype=torch.float32, device=x.device)
         flat = ids.flatten()
