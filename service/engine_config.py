@@ -35,6 +35,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    # CUDA graphs of the decode step (CUDA only; sizes above max_num_seqs are dropped)
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     # Ray
     ray_address: str | None = None
     num_cpus_per_rank: float = 1.0

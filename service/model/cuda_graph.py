@@ -1,0 +1,186 @@
+"""CUDA graphs of the decode step at fixed batch sizes.
+
+A decode step (one token per sequence, logits for every row) at batch n replays the graph of
+the smallest captured size >= n; rows past n repeat row 0 (same token, position, slot and
+context), so they write row 0's own KV values into row 0's slot and change nothing. Every
+input lives in one device buffer that the host fills with a single copy per step.
+
+The graphs read the weights and the KV cache at their pool addresses. Sleep keeps those
+addresses (DESIGN §2), so graphs captured once stay valid across level-1 and level-2 cycles
+and weight reloads: nothing is ever recaptured. Activations live in a private graph memory
+pool of torch's allocator, which sleep does not touch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..engine.plan import SeqChunk
+from ..log import get_logger
+from . import mla_decode
+from .attention import AttnMetadata
+from .moe import MoE, grouped_mm_fast
+
+log = get_logger("cuda_graph")
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+IDS, POSITIONS, SLOTS, CONTEXT = range(4)  # the four per-row fields, before the block tables
+
+
+def buffer_len(max_batch: int, width: int) -> int:
+    return 4 * max_batch + max_batch * width
+
+
+def pack_decode(chunks: list[SeqChunk], batch: int, max_batch: int, width: int, block_size: int,
+                buf: np.ndarray) -> None:
+    """Write a decode step's inputs into `buf` (int64, `buffer_len(max_batch, width)` long):
+    ids, positions, slots, context lengths ([max_batch] each), then block tables [max_batch, width].
+    Rows len(chunks)..batch-1 repeat row 0. Only the blocks a context covers are written."""
+    fields = buf[: 4 * max_batch].reshape(4, max_batch)
+    tables = buf[4 * max_batch:].reshape(max_batch, width)
+    for i, c in enumerate(chunks):
+        pos = c.start_pos
+        blocks = -(-(pos + 1) // block_size)
+        fields[IDS, i] = c.token_ids[0]
+        fields[POSITIONS, i] = pos
+        fields[SLOTS, i] = c.block_table[pos // block_size] * block_size + pos % block_size
+        fields[CONTEXT, i] = pos + 1
+        tables[i, :blocks] = c.block_table[:blocks]
+    n = len(chunks)
+    if batch > n:
+        fields[:, n:batch] = fields[:, :1]
+        tables[n:batch] = tables[0]
+
+
+def graphable(chunks: list[SeqChunk], max_batch: int, width: int, block_size: int) -> bool:
+    """A pure decode step that fits the captured shapes (else the eager path runs, and reports
+    any error in the plan itself)."""
+    if not chunks or len(chunks) > max_batch:
+        return False
+    for c in chunks:
+        if len(c.token_ids) != 1 or not c.needs_logits:
+            return False
+        if c.start_pos + 1 > width * block_size or len(c.block_table) * block_size < c.start_pos + 1:
+            return False
+    return True
+
+
+def unsupported_reason(model, kv_caches: list[torch.Tensor]) -> str | None:
+    """Why this model cannot run its decode step in a CUDA graph, or None."""
+    w = model.model.norm.weight
+    if not w.is_cuda:
+        return "not on CUDA"
+    if model.tp.world_size != 1:
+        return "TP > 1: collectives inside graphs are not validated yet"
+    has_moe = any(isinstance(layer.mlp, MoE) for layer in model.layers)
+    if has_moe and not grouped_mm_fast(w):
+        return f"MoE needs torch._grouped_mm's fused kernels (bf16 on sm_90/sm_100), got {w.dtype}"
+    probe = torch.empty(1, 1, kv_caches[0].shape[-1], dtype=w.dtype, device=w.device)
+    if not mla_decode.supported(probe, kv_caches[0], model.config.kv_lora_rank):
+        return "the Triton MLA decode kernel does not fit (Triton missing, or latent/rope widths not powers of 2)"
+    return None
+
+
+class DecodeGraphs:
+    """Captures at construction; `run(chunks)` returns fp32 logits [n, vocab], or None when the
+    step is not a graphable decode (then the caller runs it eagerly)."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
+                 batch_sizes=DEFAULT_BATCH_SIZES):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sizes = sorted(set(int(b) for b in batch_sizes))
+        self.max_batch = self.sizes[-1]
+        self.width = -(-max_model_len // block_size)
+        device = model.model.norm.weight.device
+        n = self.max_batch
+        self.inputs = torch.zeros(buffer_len(n, self.width), dtype=torch.long, device=device)
+        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True)
+        self._staging_np = self.staging.numpy()
+        self._copied = torch.cuda.Event()
+        fields = self.inputs[: 4 * n].view(4, n)
+        self.ids, self.positions, self.slots, self.context = fields[IDS], fields[POSITIONS], fields[SLOTS], fields[CONTEXT]
+        self.tables = self.inputs[4 * n:].view(n, self.width)
+        self.rows = torch.arange(n + 1, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.replays = 0
+        self._capture()
+
+    def _meta(self, b: int) -> AttnMetadata:
+        rows = self.rows[:b]
+        return AttnMetadata(
+            positions=self.positions[:b], slot_mapping=self.slots[:b], query_start_loc=self.rows[: b + 1],
+            context_lens=self.context[:b], block_tables=self.tables[:b], logits_indices=rows,
+            block_size=self.block_size, query_lens=[1] * b, query_starts=list(range(b + 1)),
+            start_positions=[0] * b, context_lens_list=[1] * b, max_position=0,
+            decode_token_idx=rows, decode_block_tables=self.tables[:b], decode_mask=None,
+            prefill_chunks=[], decode_context_lens=self.context[:b])
+
+    def _forward(self, b: int, meta: AttnMetadata) -> torch.Tensor:
+        hidden = self.model(self.ids[:b], meta, self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        # Every row: token 0 at position 0 of block 0, so capture only ever writes slot 0 (the
+        # engine has no sequences yet; the first sequence in block 0 overwrites it).
+        self.inputs.zero_()
+        self.context.fill_(1)
+        for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
+            meta = self._meta(b)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the graph: Triton compiles, cuBLAS plans
+                self._forward(b, meta)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool):
+                self.logits[b] = self._forward(b, meta)
+            self.graphs[b] = graph
+            self.captures += 1
+        torch.cuda.synchronize()
+
+    def batch_for(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def run(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+        if not graphable(chunks, self.max_batch, self.width, self.block_size):
+            return None
+        b = self.batch_for(len(chunks))
+        self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        pack_decode(chunks, b, self.max_batch, self.width, self.block_size, self._staging_np)
+        self.inputs.copy_(self.staging, non_blocking=True)
+        self._copied.record()
+        self.graphs[b].replay()
+        self.replays += 1
+        # A copy: the graph's output buffer is overwritten by the next replay.
+        return self.logits[b][: len(chunks)].clone()
+
+    def stats(self) -> dict:
+        return {"batch_sizes": self.sizes, "captures": self.captures, "replays": self.replays,
+                "graph_ids": {b: id(g) for b, g in self.graphs.items()}}
+
+
+def for_worker(model, kv_caches: list[torch.Tensor], config) -> DecodeGraphs | None:
+    """The worker's decode graphs, or None (logged) when they are off or cannot run."""
+    if config.enforce_eager or not str(config.device).startswith("cuda"):
+        return None
+    reason = unsupported_reason(model, kv_caches)
+    sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
+    if reason is None and not sizes:
+        reason = f"no cuda_graph_batch_sizes <= max_num_seqs={config.max_num_seqs}"
+    if reason is not None:
+        log.warning("cuda_graphs_off", reason=reason)
+        return None
+    try:
+        graphs = DecodeGraphs(model, kv_caches, config.block_size, config.max_model_len, sizes)
+    except Exception as e:  # serve eagerly rather than not at all
+        log.error("cuda_graph_capture_failed", error=f"{type(e).__name__}: {e}")
+        return None
+    log.info("cuda_graphs_captured", batch_sizes=graphs.sizes)
+    return graphs
