@@ -1,0 +1,387 @@
+"""GPU serving bench (one H200): decode step vs the bandwidth floor, throughput vs transformers,
+sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One command, one table:
+
+    python3 bench/gpu.py --commit $(git rev-parse --short HEAD) [--json out.json]
+
+- decode: `small` with 24 layers (8.2 GB of bf16 weights, latent MoE), KV contexts of
+  --context tokens, batches 1/8/64, through the engine's CUDA graphs (`DecodeGraphs.run`: host
+  packing + one copy + replay) and eagerly. Floor = bytes a step must read (every weight but
+  the embedding table, of the routed experts only those the step's tokens chose, plus the KV
+  contexts) over the device copy bandwidth measured here (bytes read + written per second).
+- throughput: `small` with the latent MoE off (plain DeepSeek-V3, 7.4 GB), the same weights in
+  our engine and in transformers' DeepseekV3ForCausalLM, batch 16, greedy; decode tokens/s by
+  the protocol of scripts/anchors/decode_bench.py (full run minus a prefill-only run).
+- sleep: the decode model's own level-1 offload/restore against a pinned copy of the same
+  bytes (bench/sleep.py's reference), then level-2 weights wake in ms per GiB mapped.
+- tail: bench/tail.py's CUDA section at TP 2 (virtual ranks), when the Triton tail exists.
+
+Random weights are drawn on the GPU (the engine's TP-invariant CPU init would take minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from functools import partial
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts", "anchors"), os.path.join(ROOT, "bench")]
+
+import service.weights as weights  # noqa: E402
+from service import LLM, SamplingParams  # noqa: E402
+from service.engine.plan import SeqChunk, StepPlan  # noqa: E402
+
+GIB = 1 << 30
+MID = {"num_hidden_layers": 24}  # small x 2 layers: 8.2 GB bf16, latent MoE
+PLAIN = {"moe_latent_size": None}  # small as plain DeepSeek-V3: 7.4 GB, loadable by transformers
+RESULTS: dict = {}
+
+
+def log(msg: str) -> None:
+    print(f"[gpu-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- setup --------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def device_dummy_init(model, cfg, tp, seed: int = 0) -> None:
+    """Stand-in for weights.init_dummy_weights: the same kinds of values, drawn on the device."""
+    kinds = {s.param: s.kind for s in weights.weight_specs(cfg)}
+    gen = torch.Generator(device=model.model.norm.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        kind = kinds.get(name, "matrix")
+        if kind == "norm":
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.01 if kind == "bias" else cfg.initializer_range, generator=gen)
+
+
+def make_llm(device: str, overrides: dict, preset: str, **kw) -> LLM:
+    t0 = time.perf_counter()
+    llm = LLM(model=preset, hf_overrides=overrides, dtype=kw.pop("dtype", "bfloat16"), device=device,
+              distributed_executor_backend="uni", **kw)
+    log(f"{preset} {overrides}: engine up in {time.perf_counter() - t0:.1f}s")
+    return llm
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 * GIB, repeat: int = 10) -> float:
+    """Bytes read + written per second of a device-to-device copy (median)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = [timed(partial(dst.copy_, src), device) for _ in range(repeat + 2)]
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, n: int = 1) -> float:
+    """Seconds per call of fn over n back-to-back calls."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+# ---- decode step vs floor ----------------------------------------------------------------------
+
+def decode_chunks(batch: int, context: int, block_size: int, token: int = 5) -> list[SeqChunk]:
+    per = -(-(context + 1) // block_size)
+    return [SeqChunk(i, [token + i], context, list(range(i * per, (i + 1) * per))) for i in range(batch)]
+
+
+def active_expert_bytes(worker, chunks) -> tuple[int, int]:
+    """(bytes of the routed experts this step's tokens chose, summed over layers; layers)."""
+    from service.model.moe import FusedExperts
+
+    seen: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(
+        int(args[2].unique().numel()) * 3 * mod.w1[0].numel() * mod.w1.element_size()))
+        for m in worker.model.modules() if isinstance(m, FusedExperts)]
+    graphs, worker.decode_graphs = worker.decode_graphs, None
+    try:
+        worker.execute(StepPlan(chunks))
+    finally:
+        worker.decode_graphs = graphs
+        for h in hooks:
+            h.remove()
+    return sum(seen), len(seen)
+
+
+def step_floor_bytes(worker, chunks) -> dict:
+    from service.model.moe import FusedExperts
+
+    model = worker.model
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, FusedExperts) for p in m.parameters()}
+    embed = model.model.embed_tokens.weight
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()
+                if id(p) not in expert_ids and p is not embed)
+    experts_all = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
+    experts_read, _ = active_expert_bytes(worker, chunks)
+    cfg = model.config
+    kv = sum(c.start_pos + 1 for c in chunks) * cfg.kv_cache_dim * cfg.num_hidden_layers * embed.element_size()
+    return {"dense": dense, "experts_read": experts_read, "experts_all": experts_all, "kv": kv,
+            "embed_rows": len(chunks) * embed.shape[1] * embed.element_size()}
+
+
+def profile_eager_step(worker, chunks, device: str, top: int = 12) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, worker.decode_graphs = worker.decode_graphs, None
+    try:
+        plan = StepPlan(chunks)
+        worker.execute(plan)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            worker.execute(plan)
+            sync(device)
+    finally:
+        worker.decode_graphs = graphs
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernel_us = sum(e.time_range.elapsed_us() for e in events)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=60)
+    return (f"eager step, batch {len(chunks)}: {len(events)} GPU kernels/copies, {kernel_us / 1e3:.2f} ms of "
+            f"device time\n{table}")
+
+
+def bench_decode(args, bw: float) -> LLM:
+    llm = make_llm(args.device, MID, args.preset, enable_sleep_mode=True, max_num_seqs=64,
+                   kv_cache_memory_bytes=args.kv_gib * GIB)
+    worker = llm.executor.rank0
+    graphs = worker.decode_graphs
+    log(f"decode graphs: {graphs.stats() if graphs else 'off'}")
+    with torch.no_grad():
+        for kv in worker.kv_caches:
+            kv.normal_()  # real numbers in every slot a context reads
+    bs = llm.config.block_size
+    rows = []
+    for batch in args.batches:
+        chunks = decode_chunks(batch, args.context, bs)
+        floor = step_floor_bytes(worker, chunks)
+        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        row = {"batch": batch, "context": args.context, "bytes": need, "floor_ms": need / bw * 1e3,
+               "all_weights_floor_ms": (floor["dense"] + floor["experts_all"] + floor["kv"]) / bw * 1e3, **floor}
+        plan = StepPlan(chunks)
+        with torch.inference_mode():
+            worker.execute(plan)
+            if graphs is not None:
+                b = graphs.batch_for(batch)
+                row["graph_ms"] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+                row["replay_ms"] = timed(graphs.graphs[b].replay, args.device, args.iters) * 1e3
+            graphs_saved, worker.decode_graphs = worker.decode_graphs, None
+            try:
+                row["eager_ms"] = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
+            finally:
+                worker.decode_graphs = graphs_saved
+        best = row.get("graph_ms", row["eager_ms"])
+        row["floor_fraction"] = row["floor_ms"] / best
+        rows.append(row)
+        log(f"decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
+    RESULTS["decode"] = rows
+    for batch in args.profile_batches:
+        prof = profile_eager_step(worker, decode_chunks(batch, args.context, bs), args.device)
+        RESULTS.setdefault("profiles", []).append(prof)
+        print(prof, flush=True)
+    return llm
+
+
+# ---- throughput vs transformers ----------------------------------------------------------------
+
+@torch.no_grad()
+def to_transformers(model, device: str):
+    """transformers' DeepseekV3ForCausalLM holding our model's weights (same checkpoint)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = model.config
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("architectures", "model_type", "moe_latent_size",
+                                                               "latent_moe_use_norm", "torch_dtype")}
+    d["num_nextn_predict_layers"] = 0
+    hf_cfg = DeepseekV3Config(**d)
+    with torch.device(device):
+        hf = DeepseekV3ForCausalLM._from_config(hf_cfg, dtype=model.dtype)
+    hf.eval()
+    ours = dict(model.named_parameters())
+    for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+        if name.endswith(".experts.gate_up_proj"):
+            pre = name.removesuffix("gate_up_proj")
+            t.copy_(torch.cat([ours[pre + "w1"], ours[pre + "w3"]], dim=1))
+        elif name.endswith(".experts.down_proj"):
+            t.copy_(ours[name.removesuffix("down_proj") + "w2"])
+        elif name in ours:
+            t.copy_(ours[name])
+        elif not name.endswith("inv_freq"):
+            raise KeyError(f"transformers weight {name} has no counterpart in our model")
+    return hf
+
+
+def bench_vs_transformers(args) -> None:
+    from decode_bench import bench_prompts, measure_decode
+
+    llm = make_llm(args.device, PLAIN, args.preset, max_num_seqs=64)
+    cfg = llm.config.model_config
+    prompts = bench_prompts(args.hf_batch, args.prompt_len, cfg.vocab_size)
+
+    def ours(ps, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params)]
+
+    hf = to_transformers(llm.executor.rank0.model, args.device)
+    impl = getattr(hf.config, "_experts_implementation", None)
+
+    @torch.inference_mode()
+    def theirs(ps, n):
+        ids = torch.tensor(ps, device=args.device)
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    ours(prompts[:2], 4)
+    theirs(prompts[:2], 4)
+    # bf16 rounding differs between the engines: near-ties may flip, a wrong mapping flips everything.
+    same = sum(a == b for a, b in zip(ours(prompts, 8), theirs(prompts, 8))) / len(prompts)
+    row_ours = measure_decode(ours, prompts, args.tokens, args.repeats)
+    row_hf = measure_decode(theirs, prompts, args.hf_tokens, 1)
+    RESULTS["vs_transformers"] = {"ours": row_ours, "transformers": row_hf, "experts_implementation": impl,
+                                  "same_first_8_tokens": same,
+                                  "speedup": row_ours["decode_tokens_per_s"] / row_hf["decode_tokens_per_s"]}
+    log(f"vs transformers: {RESULTS['vs_transformers']}")
+    llm.shutdown()
+
+
+# ---- sleep ---------------------------------------------------------------------------------------
+
+def bench_sleep(llm: LLM, args) -> None:
+    from sleep import reference_copy
+
+    l1 = []
+    for _ in range(args.sleep_cycles):
+        s, w = llm.sleep(1)[0], llm.wake_up()[0]
+        l1.append({"offload_gbps": s["bytes_backed_up"] / s["seconds"] / 1e9,
+                   "restore_gbps": w["bytes_restored"] / w["seconds"] / 1e9, "bytes": s["bytes_backed_up"],
+                   "sleep_s": s["seconds"], "wake_s": w["seconds"]})
+        log(f"level 1: {l1[-1]}")
+    nbytes = l1[0]["bytes"]
+    out_s, in_s = reference_copy(nbytes, torch.device(args.device), 3)
+    rest = l1[1:] or l1
+    res = {"cycles": l1, "ref_out_gbps": nbytes / out_s / 1e9, "ref_in_gbps": nbytes / in_s / 1e9,
+           "offload_gbps": statistics.median(r["offload_gbps"] for r in rest),
+           "restore_gbps": statistics.median(r["restore_gbps"] for r in rest)}
+    res["offload_ratio"] = res["offload_gbps"] / res["ref_out_gbps"]
+    res["restore_ratio"] = res["restore_gbps"] / res["ref_in_gbps"]
+    s = llm.sleep(2)[0]
+    w = llm.wake_up(["weights"])[0]
+    llm.wake_up(["kv_cache"])
+    res["level2_sleep_s"] = s["seconds"]
+    res["level2_weights_mapped"] = w["bytes_mapped"]
+    res["level2_wake_ms_per_gib"] = w["seconds"] * 1e3 / (w["bytes_mapped"] / GIB)
+    RESULTS["sleep"] = res
+    log(f"sleep: { {k: v for k, v in res.items() if k != 'cycles'} }")
+
+
+def bench_tail_section(args) -> None:
+    if not os.path.exists(os.path.join(ROOT, "service", "tail", "triton_tail.py")):
+        RESULTS["tail"] = "skipped: service/tail/triton_tail.py absent"
+        return
+    from tail import bench_cuda
+
+    ns = argparse.Namespace(tp=[2], m=[1, 4, 8, 16, 32, 64], hidden=2048, latent=1024, dtype="bf16", scale=0.3)
+    bench_cuda(ns)
+    RESULTS["tail"] = "printed above (bench/tail.py --device cuda --tp 2)"
+
+
+# ---- table ---------------------------------------------------------------------------------------
+
+def print_table(args, bw: float) -> None:
+    print()
+    print(f"GPU serving bench, {RESULTS['device']}, torch {torch.__version__}, commit {args.commit}, "
+          f"{time.strftime('%Y-%m-%d')}")
+    print(f"device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
+    print(f"{'decode (ctx ' + str(args.context) + ')':24s} {'floor ms':>9s} {'graph ms':>9s} {'replay ms':>10s} "
+          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'all-weights floor ms':>21s}")
+    for r in RESULTS.get("decode", []):
+        print(f"{'batch ' + str(r['batch']):24s} {r['floor_ms']:9.3f} {r.get('graph_ms', float('nan')):9.3f} "
+              f"{r.get('replay_ms', float('nan')):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.2f} "
+              f"{r['bytes'] / 1e9:8.2f} {r['all_weights_floor_ms']:21.3f}")
+    v = RESULTS.get("vs_transformers")
+    if v:
+        print(f"batch {args.hf_batch} decode tok/s: ours {v['ours']['decode_tokens_per_s']:.0f}, transformers "
+              f"{v['transformers']['decode_tokens_per_s']:.0f} (experts: {v['experts_implementation']}) -> "
+              f"{v['speedup']:.1f}x; prompts whose first 8 greedy tokens agree: {v['same_first_8_tokens']:.0%}")
+    s = RESULTS.get("sleep")
+    if s:
+        print(f"level 1 offload {s['offload_gbps']:.1f} GB/s / pinned {s['ref_out_gbps']:.1f} = {s['offload_ratio']:.2f}; "
+              f"restore {s['restore_gbps']:.1f} / {s['ref_in_gbps']:.1f} = {s['restore_ratio']:.2f}")
+        print(f"level 2 weights wake: {s['level2_wake_ms_per_gib']:.2f} ms/GiB "
+              f"({s['level2_weights_mapped'] / GIB:.2f} GiB mapped)")
+    print(f"tail: {RESULTS.get('tail')}")
+    for name, err in RESULTS.get("errors", {}).items():
+        print(f"section {name} FAILED: {err.strip().splitlines()[-1]}")
+
+
+def section(name: str, fn, *args):
+    """Run one section; a failure is recorded and the other sections still run."""
+    try:
+        return fn(*args)
+    except Exception:
+        RESULTS.setdefault("errors", {})[name] = traceback.format_exc()
+        log(f"section {name} failed:\n{RESULTS['errors'][name]}")
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--batches", default="1,8,64", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--profile-batches", default="1,64", type=lambda s: [int(x) for x in s.split(",") if x])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--kv-gib", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--hf-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sleep-cycles", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,tail")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    weights.init_dummy_weights = device_dummy_init  # the worker looks it up at call time
+    cuda = args.device.startswith("cuda")
+    RESULTS["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    bw = copy_bandwidth(args.device, 4 * GIB if cuda else GIB // 4)
+    RESULTS["copy_bw"] = bw
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    llm = None
+    if "decode" not in skip or "sleep" not in skip:
+        llm = section("decode", bench_decode, args, bw) if "decode" not in skip else make_llm(
+            args.device, MID, args.preset, enable_sleep_mode=True)
+    if "hf" not in skip:
+        section("hf", bench_vs_transformers, args)
+    if llm is not None and "sleep" not in skip:
+        section("sleep", bench_sleep, llm, args)
+    if llm is not None:
+        llm.shutdown()
+    if cuda and "tail" not in skip:
+        section("tail", bench_tail_section, args)
+    print_table(args, bw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in RESULTS.items()}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
