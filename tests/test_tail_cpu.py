@@ -286,7 +286,11 @@ def test_deadline_env_overrides(monkeypatch):
     assert resolve_deadline(10.0) == 0.5
 
 
-def test_stale_segment_recreated_and_unlinked_on_close():
+def rms_norm_ref(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def test_stale_segment_recreated_and_names_unlinked_once_mapped():
     name = f"close{os.getpid()}"
     colls = []
     # Two ranks as threads of one process, synchronised like TPGroup.barrier would.
@@ -305,8 +309,24 @@ def test_stale_segment_recreated_and_unlinked_on_close():
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert len(colls) == 2 and all(os.path.exists(p) for p in own_paths)
-    assert os.path.getsize(own_paths[0]) == colls[0].layout.total_bytes
+    # Both ranks came up despite the junk file, and the names are gone once everyone mapped them.
+    assert len(colls) == 2 and not any(os.path.exists(p) for p in own_paths)
+    bases = [c.peer_ptrs[:, 0].tolist() for c in colls]
+    assert bases[0] != bases[1]  # each rank has its own mapping of both segments
+    colls.sort(key=lambda c: c.rank)
+    up, norm = torch.eye(8), None
+    x = [torch.arange(8.0).view(1, 8) + r for r in range(2)]
+    outs = [None, None]
+
+    def call(r):
+        outs[r] = colls[r].fused_tail(x[r], x[r], norm, up, EPS)
+
+    threads = [Thread(target=call, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    shared = x[0] + x[1]
+    assert torch.equal(outs[0], outs[1]) and torch.allclose(outs[0], rms_norm_ref(shared) + shared)
     for c in colls:
         c.close()
-    assert not any(os.path.exists(p) for p in own_paths)

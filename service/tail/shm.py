@@ -4,6 +4,7 @@ Each rank creates one /dev/shm segment (its comm region: three mailboxes, protoc
 maps every peer's. Stores go straight into peers' mailboxes; readers poll their own. All
 accesses go through views built from the addresses in `peer_ptrs` (named state): the table
 is read every call, so losing or corrupting it changes what the kernel does.
+Segment names live only until every rank has mapped every segment, then they are unlinked.
 """
 
 from __future__ import annotations
@@ -104,17 +105,21 @@ class _Segment:
     def contains(self, addr: int, nbytes: int) -> bool:
         return self.base <= addr and addr + nbytes <= self.base + self.size
 
+    def unlink(self) -> None:
+        if self.owner:
+            self.owner = False
+            try:
+                os.unlink(os.path.join(_SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         self._anchor = None
         try:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
             pass
-        if self.owner:
-            try:
-                os.unlink(os.path.join(_SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
+        self.unlink()
 
 
 class _Mailbox:
@@ -169,6 +174,9 @@ class ShmTailCollective:
                 self._segments.append(seg)
             self.peer_ptrs[p] = torch.tensor(self.layout.ptr_row(seg.base), dtype=torch.int64)
         barrier()
+        # Every rank has mapped every segment: the names are no longer needed, and unlinking
+        # now means a rank killed without running atexit (e.g. a Ray actor) leaks nothing.
+        own.unlink()
 
     # ---- diagnostics and the negative-control hook ----------------------------
     def epoch(self) -> int:
