@@ -40,7 +40,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     # Ray
     ray_address: str | None = None
-    num_cpus_per_rank: float = 1.0
+    num_cpus_per_rank: float | None = None  # None: min(1, CPUs in the cluster / TP)
     # filled by resolve()
     model_config: ModelConfig | None = None
     checkpoint_dir: str | None = None

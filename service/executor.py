@@ -22,15 +22,14 @@ from .rank_actor import RankActor
 log = get_logger("executor")
 
 
-def ensure_ray(address: str | None, num_cpus_needed: float) -> None:
+def ensure_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        # The embedded default: a local cluster with enough logical CPUs for one bundle per rank.
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(num_cpus_needed + 0.999)), include_dashboard=False,
-                 log_to_driver=True)
+        # The embedded default: a local cluster on this machine's cores.
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
 
 
 class RayExecutor:
@@ -38,8 +37,9 @@ class RayExecutor:
         self.config = config
         tp = config.tensor_parallel_size
         gpu = config.device.startswith("cuda")
-        per_rank = config.num_cpus_per_rank
-        ensure_ray(config.ray_address, per_rank * tp)
+        ensure_ray(config.ray_address)
+        # Ranks share the cores when there are fewer than TP (each rank also gets cores/TP threads).
+        per_rank = config.num_cpus_per_rank or min(1.0, ray.cluster_resources().get("CPU", 1.0) / tp)
         bundle = {"CPU": per_rank, **({"GPU": 1} if gpu else {})}
         self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)

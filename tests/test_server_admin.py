@@ -79,7 +79,8 @@ def test_sleep_level1_and_wake_restore_the_same_outputs(admin, oai, reference):
 def test_invalid_parameters_and_transitions(admin, checkpoints, reference):
     for call, match in [(lambda: admin.sleep(3), "level"), (lambda: admin.sleep(1, mode="nap"), "mode"),
                         (lambda: admin.wake_up(["gpu"]), "tags"), (lambda: admin.pause("later"), "mode"),
-                        (lambda: admin.update_weights(group={}), "weight source")]:
+                        (lambda: admin.update_weights(pigeon={}), "weight source"),
+                        (lambda: admin.update_weights(group={}), "group needs")]:
         with pytest.raises(ServiceError, match=match) as e:
             call()
         assert e.value.status == 422
