@@ -139,7 +139,8 @@ class DecodeGraphs:
                 self._forward(b, meta)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool):
+            # thread_local: other engines' threads in this process may touch CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 self.logits[b] = self._forward(b, meta)
             self.graphs[b] = graph
             self.captures += 1

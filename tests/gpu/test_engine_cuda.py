@@ -75,8 +75,11 @@ def compare(ref, ours, floor: float) -> dict:
             "unexplained": [d for d in divergences if d["ref_margin"] >= tol]}
 
 
-@pytest.mark.parametrize("dtype,floor,max_noise", [("float32", 1e-3, 1e-3), ("bfloat16", 1e-2, 0.15)])
-@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("dtype,floor,max_noise,eager", [
+    ("float32", 1e-3, 1e-3, False),  # fp32 runs eagerly anyway (no graphs: see below)
+    ("bfloat16", 1e-2, 0.15, False),
+    ("bfloat16", 1e-2, 0.15, True),
+])
 def test_greedy_matches_cpu_engine(cpu_reference, dtype, floor, max_noise, eager):
     llm = make_llm("cuda", dtype, enforce_eager=eager)
     try:
