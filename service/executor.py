@@ -15,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from .coordinator import error_text
 from .engine_config import EngineConfig
 from .log import get_logger
 from .rank_actor import RankActor
@@ -90,7 +91,7 @@ class RayExecutor:
                 outcomes.append({"rank": rank, "ok": False, "timeout": True,
                                  "error": f"rank {rank} missed the {timeout:.0f}s deadline for {method}"})
             except Exception as e:
-                outcomes.append({"rank": rank, "ok": False, "error": _error_text(e)})
+                outcomes.append({"rank": rank, "ok": False, "error": error_text(e)})
         return outcomes
 
     def rank0_call(self, method: str, *args, timeout: float | None = None):
@@ -125,13 +126,3 @@ class RayExecutor:
             remove_placement_group(self.pg)
         except Exception:
             pass
-
-
-def _error_text(e: Exception) -> str:
-    """The innermost error message of a Ray task failure, without Ray's traceback framing."""
-    cause = getattr(e, "cause", None)
-    if cause is not None and not isinstance(cause, ray.exceptions.RayError):
-        return f"{type(cause).__name__}: {cause}"
-    if isinstance(e, ray.exceptions.RayActorError):
-        return f"rank actor died: {str(e).splitlines()[0]}"
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

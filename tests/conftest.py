@@ -13,6 +13,17 @@ def start_server(*extra: str, tp: int = 2, admin_key: str | None = "generated", 
     return start_healthy(["--model", "tiny", "--tp", str(tp), *extra], timeout, admin_key=admin_key, env=env)[0]
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls in the test process: extra threads only contend with other jobs on a 2-core box."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def server_factory():
     """Start servers for one test module; all are stopped at its end."""

@@ -19,6 +19,8 @@ from service.config import PRESETS, ModelConfig
 from service.parallel import TPGroup
 from service.weights import expected_weights, load_weights
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYER = 1  # first MoE layer of the tiny presets
 TOKENS = 32
 
@@ -31,12 +33,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---- logical weights and the reference ----------------------------------------------------------

@@ -26,19 +26,14 @@ from service.config import PRESETS, ModelConfig
 from service.parallel import TPGroup
 from service.weights import load_checkpoint, write_dummy_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 transformers = pytest.importorskip("transformers")
 
 STEPS = 16
 N_PROMPTS = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls: extra threads only contend with the other CI jobs on a 2-core box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def hf_logits_fn(hf):

@@ -24,15 +24,11 @@ from service.weights import (
     write_dummy_checkpoint,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = PRESETS["tiny"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def params(model) -> dict[str, torch.Tensor]:
