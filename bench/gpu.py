@@ -324,7 +324,6 @@ def print_table(args, bw: float) -> None:
               f"restore {s['restore_gbps']:.1f} / {s['ref_in_gbps']:.1f} = {s['restore_ratio']:.2f}")
         print(f"level 2 weights wake: {s['level2_wake_ms_per_gib']:.2f} ms/GiB "
               f"({s['level2_weights_mapped'] / GIB:.2f} GiB mapped)")
-    print(f"tail: {RESULTS.get('tail')}")
     for name, err in RESULTS.get("errors", {}).items():
         print(f"section {name} FAILED: {err.strip().splitlines()[-1]}")
 
@@ -375,12 +374,12 @@ def main() -> None:
         section("sleep", bench_sleep, llm, args)
     if llm is not None:
         llm.shutdown()
-    if cuda and "tail" not in skip:
-        section("tail", bench_tail_section, args)
     print_table(args, bw)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: v for k, v in RESULTS.items()}, f, indent=1, default=str)
+            json.dump(RESULTS, f, indent=1, default=str)
+    if cuda and "tail" not in skip:  # last: it prints its own table
+        section("tail", bench_tail_section, args)
 
 
 if __name__ == "__main__":
