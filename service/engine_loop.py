@@ -99,10 +99,8 @@ class EngineLoop:
         deadline = time.monotonic() + timeout
         with self._cv:
             if mode == "wait":
-                self._draining = True
                 while self.engine.has_unfinished() and time.monotonic() < deadline:
                     self._cv.wait(0.05)
-                self._draining = False
                 if self.engine.has_unfinished():
                     raise TimeoutError(f"in-flight requests did not finish within {timeout}s")
             self._paused = True
@@ -137,8 +135,6 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     # ---- loop -----------------------------------------------------------------
-    _draining = False
-
     def _run(self) -> None:
         while True:
             with self._cv:
