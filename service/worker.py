@@ -73,9 +73,11 @@ class RankWorker:
         try:
             import ray
 
-            return ray.get_runtime_context().get_node_id()
-        except Exception:  # not under Ray
-            return socket.gethostname()
+            if ray.is_initialized():  # asking otherwise would start a local Ray instance
+                return ray.get_runtime_context().get_node_id()
+        except ImportError:  # no Ray on this machine (the GPU box)
+            pass
+        return socket.gethostname()
 
     def init(self, init_method: str, same_node: bool = True, group_name: str = "ls") -> dict:
         t0 = time.perf_counter()
