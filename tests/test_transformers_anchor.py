@@ -58,6 +58,17 @@ def assert_not_degenerate(tokens: list[list[int]]) -> None:
     assert len({tuple(s) for s in tokens}) == len(tokens), "every prompt generated the same tokens"
 
 
+
+def _assert_matches_hf(hf, ours, ps):
+    """Prompt logits agree and cache-less greedy tokens match; returns transformers' (tokens, margins)."""
+    diff = (hf_logits_fn(hf)(ps[0]) - full_logits(ours, ps[0])).abs().max().item()
+    assert diff < 1e-4, f"prompt logits differ by {diff}"
+    ref, margins = greedy_all(hf_logits_fn(hf), ps)
+    assert_not_degenerate(ref)
+    mine, _ = greedy_all(ours_logits_fn(ours), ps)
+    assert assert_same_greedy(ref, margins, mine) >= N_PROMPTS - 1
+    return ref, margins
+
 def test_our_checkpoint_runs_in_transformers(tmp_path):
     cfg = PRESETS["tiny-dense-moe"]
     write_dummy_checkpoint(cfg, str(tmp_path), seed=3, dtype=torch.float32, max_shard_bytes=1 << 20)
@@ -66,13 +77,7 @@ def test_our_checkpoint_runs_in_transformers(tmp_path):
     load_checkpoint(ours, cfg, TPGroup.single(), str(tmp_path), progress=False)
 
     ps = prompts(N_PROMPTS, cfg.vocab_size, seed=1)
-    diff = (hf_logits_fn(hf)(ps[0]) - full_logits(ours, ps[0])).abs().max().item()
-    assert diff < 1e-4, f"prompt logits differ by {diff}"
-
-    ref, margins = greedy_all(hf_logits_fn(hf), ps)
-    assert_not_degenerate(ref)
-    mine, _ = greedy_all(ours_logits_fn(ours), ps)
-    assert assert_same_greedy(ref, margins, mine) >= N_PROMPTS - 1
+    ref, margins = _assert_matches_hf(hf, ours, ps)
     # The paged path too, against transformers directly.
     paged = PagedRunner(ours, num_blocks=96, block_size=4).greedy(ps, STEPS)
     assert assert_same_greedy(ref, margins, paged) >= N_PROMPTS - 1
@@ -117,12 +122,7 @@ def test_transformers_checkpoint_runs_in_ours(tmp_path, variant):
     load_checkpoint(ours, cfg, TPGroup.single(), str(tmp_path), progress=False)
 
     ps = prompts(N_PROMPTS, cfg.vocab_size, seed=2, hi=40)  # long enough for yarn's ramp to matter
-    diff = (hf_logits_fn(hf)(ps[0]) - full_logits(ours, ps[0])).abs().max().item()
-    assert diff < 1e-4, f"prompt logits differ by {diff}"
-    ref, margins = greedy_all(hf_logits_fn(hf), ps)
-    assert_not_degenerate(ref)
-    mine, _ = greedy_all(ours_logits_fn(ours), ps)
-    assert assert_same_greedy(ref, margins, mine) >= N_PROMPTS - 1
+    _assert_matches_hf(hf, ours, ps)
 
 
 @pytest.mark.parametrize("preset,latent_norm", [("tiny", True), ("tiny", False)])
