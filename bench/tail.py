@@ -5,9 +5,10 @@ the unfused one is `unfused_tail` over gloo (two all-reduces + the full up-proje
     python bench/tail.py --tp 2,4,8 --m 1,2,4,8,16,32,64,128
 
 --device cuda: virtual ranks on one GPU (VirtualTailGroup). All ranks' kernels run one after
-another on one stream, so the fused time is for ALL ranks together (divide by TP for a rank's
-share); the baseline is one rank's unfused compute (RMSNorm + full up-projection + adds) with
-its all-reduces replaced by sums over the partials (no communication at all).
+another on one stream, so the fused time is for ALL ranks together (printed divided by TP); the
+baseline is one rank's unfused compute (RMSNorm + full up-projection + adds) with its
+all-reduces replaced by sums over the partials (no communication at all). Both are timed as
+CUDA-graph replays (how decode runs them) and eagerly.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def bench_cpu(args) -> None:
 
 # ---- CUDA: virtual ranks on one GPU -----------------------------------------------------------
 
-def _time_cuda(fn, n: int) -> float:
+def _time_eager(fn, n: int) -> float:
+    """Wall time per call with Python launches included (median of 3 runs)."""
     for _ in range(max(3, n // 10)):
         fn()
     torch.cuda.synchronize()
@@ -126,6 +128,30 @@ def _time_cuda(fn, n: int) -> float:
     return statistics.median(samples)
 
 
+def _time_graph(fn, n: int):
+    """GPU time per replay of `fn` captured in a CUDA graph, as serving replays decode steps
+    (median of 3 runs). Returns (us, outputs of the captured call)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    samples = []
+    for _ in range(3):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) / n * 1e3)
+    return statistics.median(samples), out, graph
+
+
 def _unfused_compute(routed, shared, norm, up):
     latent = rms_norm(torch.stack(routed).sum(0), norm, 1e-6)
     return latent @ up.t() + torch.stack(shared).sum(0)
@@ -137,20 +163,31 @@ def bench_cuda(args) -> None:
     dtype, dev = DTYPES[args.dtype], "cuda"
     up, norm = _weights(args.latent, args.hidden, dtype, dev)
     print(f"GPU: {torch.cuda.get_device_name()}  ({args.dtype}, H={args.hidden}, L={args.latent})", flush=True)
+    print("fused: all TP ranks' tails, serial on one stream; per rank = that / TP. unfused: ONE rank's\n"
+          "compute (RMSNorm + full up-projection + adds) with its two all-reduces replaced by sums,\n"
+          "i.e. no communication at all. graph = CUDA-graph replay (GPU time), eager = Python launches\n"
+          "+ one host read of the error words per call. ratio = unfused / fused-per-rank (graph).", flush=True)
     for tp in args.tp:
         group = VirtualTailGroup(tp, max_tokens=max(args.m), latent_dim=args.latent, hidden_dim=args.hidden,
                                  dtype=dtype, device=dev)
-        print(f"\nvirtual TP {tp}: fused = all {tp} ranks' tails, serial on one GPU, incl. one host "
-              f"sync per call for the error check", flush=True)
-        print(f"{'M':>5} {'fused all-ranks us':>19} {'fused per rank us':>18} {'unfused compute us':>19}",
-              flush=True)
+        print(f"\nvirtual TP {tp}", flush=True)
+        print(f"{'M':>5} {'fused/rank graph us':>20} {'unfused graph us':>17} {'ratio':>6} "
+              f"{'fused/rank eager us':>20} {'unfused eager us':>17} {'max|graph-ref|':>15}", flush=True)
         for m in args.m:
             parts = [_inputs(100 + r, m, args.latent, args.hidden, dtype, dev) for r in range(tp)]
             routed, shared = [p[0] for p in parts], [p[1] for p in parts]
             n = _iters(m, args.scale)
-            fused = _time_cuda(partial(group.fused_tail, routed, shared, norm, up, 1e-6), n)
-            base = _time_cuda(partial(_unfused_compute, routed, shared, norm, up), n)
-            print(f"{m:>5} {fused:>19.1f} {fused / tp:>18.1f} {base:>19.1f}", flush=True)
+            fused_fn = partial(group.fused_tail, routed, shared, norm, up, 1e-6)
+            base_fn = partial(_unfused_compute, routed, shared, norm, up)
+            fused_eager = _time_eager(fused_fn, n) / tp
+            base_eager = _time_eager(base_fn, n)
+            fused_graph, outs, g1 = _time_graph(partial(fused_fn, check=False), n)
+            group.check()  # a deadline hit during the replays would surface here
+            base_graph, ref, g2 = _time_graph(base_fn, n)
+            err = max((o.float() - ref.float()).abs().max().item() for o in outs)
+            print(f"{m:>5} {fused_graph / tp:>20.1f} {base_graph:>17.1f} {base_graph / (fused_graph / tp):>6.2f} "
+                  f"{fused_eager:>20.1f} {base_eager:>17.1f} {err:>15.3g}", flush=True)
+            del g1, g2
         group.close()
 
 

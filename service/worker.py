@@ -85,10 +85,14 @@ class RankWorker:
         self.same_node = same_node
         threads = set_cpu_threads(self.world_size) if cfg.device == "cpu" else None
         backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-        self.tp = TPGroup.init(self.rank, self.world_size, init_method, backend=backend)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
+            # Ray gives each rank actor its own visible GPU, so a bare "cuda" means index 0;
+            # newer torch refuses set_device without an index, and NCCL wants it set first.
+            if self.device.index is None:
+                self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
+        self.tp = TPGroup.init(self.rank, self.world_size, init_method, backend=backend)
         self._build_model(group_name)
         self._load_initial_weights()
         self._allocate_kv_cache()
