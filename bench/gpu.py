@@ -225,6 +225,28 @@ def to_transformers(model, device: str):
     return hf
 
 
+@torch.inference_mode()
+def first_token_margins(llm, hf, prompts, device: str) -> dict:
+    """Where the engines' first greedy tokens differ, was it a near-tie? Our top-2 logprob margin
+    per prompt next to the logprob gap between the engines on the token we chose."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2)
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    ref = torch.log_softmax(hf(input_ids=torch.tensor(prompts, device=device)).logits[:, -1].float(), -1)
+    agree, gaps, margins, split = 0, [], [], []
+    for o, lp in zip(outs, ref):
+        tok, ours_lp = o.token_ids[0], o.logprobs[0]
+        top = sorted(ours_lp.values(), reverse=True)
+        margin = top[0] - top[1]
+        gaps.append(abs(ours_lp[tok] - float(lp[tok])))
+        margins.append(margin)
+        if tok == int(lp.argmax()):
+            agree += 1
+        else:
+            split.append(round(margin, 4))
+    return {"agree": agree / len(prompts), "max_logprob_gap": max(gaps),
+            "median_margin": statistics.median(margins), "margins_where_split": split}
+
+
 def bench_vs_transformers(args) -> None:
     from decode_bench import bench_prompts, measure_decode
 
@@ -250,10 +272,12 @@ def bench_vs_transformers(args) -> None:
     theirs(prompts[:2], 4)
     # bf16 rounding differs between the engines: near-ties may flip, a wrong mapping flips everything.
     same = sum(a == b for a, b in zip(ours(prompts, 8), theirs(prompts, 8))) / len(prompts)
+    first = first_token_margins(llm, hf, prompts, args.device)
+    log(f"first token vs transformers: {first}")
     row_ours = measure_decode(ours, prompts, args.tokens, args.repeats)
     row_hf = measure_decode(theirs, prompts, args.hf_tokens, 1)
     RESULTS["vs_transformers"] = {"ours": row_ours, "transformers": row_hf, "experts_implementation": impl,
-                                  "same_first_8_tokens": same,
+                                  "same_first_8_tokens": same, "first_token": first,
                                   "speedup": row_ours["decode_tokens_per_s"] / row_hf["decode_tokens_per_s"]}
     log(f"vs transformers: {RESULTS['vs_transformers']}")
     llm.shutdown()
@@ -318,6 +342,9 @@ def print_table(args, bw: float) -> None:
         print(f"batch {args.hf_batch} decode tok/s: ours {v['ours']['decode_tokens_per_s']:.0f}, transformers "
               f"{v['transformers']['decode_tokens_per_s']:.0f} (experts: {v['experts_implementation']}) -> "
               f"{v['speedup']:.1f}x; prompts whose first 8 greedy tokens agree: {v['same_first_8_tokens']:.0%}")
+        f = v["first_token"]
+        print(f"first token: {f['agree']:.0%} agree; our top-2 margin median {f['median_margin']:.4f}, where they "
+              f"split {f['margins_where_split']}; max logprob gap on our token {f['max_logprob_gap']:.4f}")
     s = RESULTS.get("sleep")
     if s:
         print(f"level 1 offload {s['offload_gbps']:.1f} GB/s / pinned {s['ref_out_gbps']:.1f} = {s['offload_ratio']:.2f}; "

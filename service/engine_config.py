@@ -38,6 +38,8 @@ class EngineConfig:
     # CUDA graphs of the decode step (CUDA only; sizes above max_num_seqs are dropped)
     enforce_eager: bool = False
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    # process group of the TP ranks: auto = nccl on CUDA, gloo on CPU
+    tp_backend: str = "auto"
     # Ray
     ray_address: str | None = None
     num_cpus_per_rank: float | None = None  # None: min(1, CPUs in the cluster / TP)
@@ -52,6 +54,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.fused_tail not in ("auto", "on", "off"):
             raise ConfigError(f"fused_tail must be auto, on or off, got {self.fused_tail!r}")
+        if self.tp_backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"tp_backend must be auto, nccl or gloo, got {self.tp_backend!r}")
         if self.pool_layout not in ("segregated", "interleaved"):
             raise ConfigError(f"pool_layout must be segregated or interleaved, got {self.pool_layout!r}")
         max_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)

@@ -21,16 +21,21 @@ class SleepError(RuntimeError):
 
 
 def make_executor(config: EngineConfig, backend: str):
-    """'ray' (the product: one actor per rank) or 'uni' (TP 1 in this process, no Ray: GPU box, tools)."""
+    """'ray' (the product: one actor per rank), 'mp' (one process per rank on this machine, no
+    Ray) or 'uni' (TP 1 in this process: tools, the GPU box)."""
     if backend == "ray":
         from .executor import RayExecutor
 
         return RayExecutor(config)
+    if backend == "mp":
+        from .mp_executor import MpExecutor
+
+        return MpExecutor(config)
     if backend == "uni":
         from .local import UniExecutor
 
         return UniExecutor(config)
-    raise ValueError(f"distributed_executor_backend must be 'ray' or 'uni', got {backend!r}")
+    raise ValueError(f"distributed_executor_backend must be 'ray', 'mp' or 'uni', got {backend!r}")
 
 
 class LLM:

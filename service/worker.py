@@ -84,7 +84,7 @@ class RankWorker:
         cfg = self.config
         self.same_node = same_node
         threads = set_cpu_threads(self.world_size) if cfg.device == "cpu" else None
-        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        backend = cfg.tp_backend if cfg.tp_backend != "auto" else "nccl" if cfg.device.startswith("cuda") else "gloo"
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             # Ray gives each rank actor its own visible GPU, so a bare "cuda" means index 0;
