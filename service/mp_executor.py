@@ -18,6 +18,7 @@ import os
 import pickle
 import threading
 import time
+import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -54,6 +55,8 @@ def _serve(rank: int, config: EngineConfig, conn, env: dict) -> None:
         try:
             reply = (call_id, True, getattr(actor, method)(*args, **kwargs))
         except BaseException as e:
+            log.warning("rank_call_failed", rank=rank, method=method, error=f"{type(e).__name__}: {e}",
+                        traceback=traceback.format_exc(limit=-6))
             reply = (call_id, False, _portable(e))
         with lock:
             try:
