@@ -55,6 +55,7 @@ class RankWorker:
         self._probe_results: list[dict] = []
         self._stale: set[str] = set()  # weights discarded by level 2 and not yet reloaded
         self.decode_graphs = None  # CUDA graphs of the decode step (model/cuda_graph.py)
+        self._epochs_at_sleep: dict | None = None
 
     # ---- setup -----------------------------------------------------------------
     def rendezvous_address(self, multi_node: bool = False) -> str:
@@ -263,6 +264,9 @@ class RankWorker:
             self._fail_next_sleep = False
             raise RuntimeError(f"rank {self.rank}: injected sleep failure (test hook)")
         with self._exec_lock:
+            if level > 0 and "weights" not in self.pool.asleep_tags:
+                # The flags live in weights memory, unmapped (GPU) or zeroed (CPU) while it sleeps.
+                self._epochs_at_sleep = self.tail_epochs()
             report = self.pool.sleep(level) if level > 0 else {"level": 0, "noop": "level 0 only pauses"}
             if not self.pool.weights_valid and not self._stale:
                 # Level 2 discarded parameter memory: every non-preserved weight must be sent again.
@@ -369,11 +373,19 @@ class RankWorker:
     def rpc_ping(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid()}
 
+    def _flags_readable(self) -> bool:
+        return "weights" not in self.pool.asleep_tags
+
     def rpc_tail_state(self) -> list[dict]:
-        return [r.state() for r in self.model.tail_runners()]
+        return [r.state(live=self._flags_readable()) for r in self.model.tail_runners()]
 
     def tail_epochs(self) -> dict | None:
-        return self.collective.state() if self.collective is not None else None
+        """Flag state of the fused tail; while the weights sleep, as it was when they went to sleep."""
+        if self.collective is None:
+            return None
+        if not self._flags_readable():
+            return {**(self._epochs_at_sleep or {}), "as_of": "sleep"}
+        return self.collective.state()
 
     def tail_summary(self) -> dict:
         runners = self.model.tail_runners() if self.model is not None else []

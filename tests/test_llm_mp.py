@@ -37,8 +37,13 @@ def test_mp_tp2_matches_uni_tp1_and_survives_sleep():
         pids = {p["pid"] for p in llm.collective_rpc("ping")}
         assert len(pids) == 2, "ranks must be separate processes"
 
+        awake = llm.collective_rpc("status")[0]["tail_epochs"]
         llm.sleep(level=1)
         assert llm.is_sleeping()
+        # The flags sleep with the weights (unmapped on a GPU): reported as of the sleep, not read.
+        asleep = llm.collective_rpc("status")[0]["tail_epochs"]
+        assert asleep == {**awake, "as_of": "sleep"}
+        assert all(layer["epoch"] is None for rank in llm.collective_rpc("tail_state") for layer in rank)
         llm.wake_up()
         assert _tokens(llm) == ref
 

@@ -80,12 +80,13 @@ class TailRunner:
         self.unfused_calls += 1
         return unfused_tail(self.tp, routed_partial, shared_partial, norm_weight, up_weight, eps)
 
-    def state(self) -> dict:
+    def state(self, live: bool = True) -> dict:
+        """live=False: the flags' memory is asleep (unmapped on a GPU), so the epoch is not read."""
         return {
             "layer": self.layer_idx,
             "fused": self.fused,
             "fused_calls": self.fused_calls,
             "unfused_calls": self.unfused_calls,
-            "epoch": self.collective.epoch() if self.collective is not None else None,
+            "epoch": self.collective.epoch() if self.collective is not None and live else None,
             "reason": self.disabled_reason,
         }
