@@ -155,7 +155,32 @@ def profile_eager_step(worker, chunks, device: str, top: int = 12) -> str:
             f"device time\n{table}")
 
 
+def uncompiled_graph_ms(args) -> dict[int, float]:
+    """Decode graph step ms per batch of the same model built with LATENTSERVE_COMPILE=0: the
+    baseline for what the torch.compile'd elementwise chains (service/model/fusion.py) buy."""
+    os.environ["LATENTSERVE_COMPILE"] = "0"
+    try:
+        llm = make_llm(args.device, MID, args.preset, max_num_seqs=64, kv_cache_memory_bytes=args.kv_gib * GIB)
+        worker, out = llm.executor.rank0, {}
+        with torch.no_grad():
+            for kv in worker.kv_caches:
+                kv.normal_()
+        for batch in args.batches:
+            plan = StepPlan(decode_chunks(batch, args.context, llm.config.block_size))
+            with torch.inference_mode():
+                worker.execute(plan)
+                out[batch] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+        llm.shutdown()
+        del llm, worker
+        torch.cuda.empty_cache()
+    finally:
+        del os.environ["LATENTSERVE_COMPILE"]
+    log(f"decode without compiled fusion (graph ms): {out}")
+    return out
+
+
 def bench_decode(args, bw: float) -> LLM:
+    base = uncompiled_graph_ms(args)
     llm = make_llm(args.device, MID, args.preset, enable_sleep_mode=True, max_num_seqs=64,
                    kv_cache_memory_bytes=args.kv_gib * GIB)
     worker = llm.executor.rank0
@@ -178,6 +203,7 @@ def bench_decode(args, bw: float) -> LLM:
             if graphs is not None:
                 b = graphs.batch_for(batch)
                 row["graph_ms"] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+                row["uncompiled_graph_ms"] = base.get(batch, float("nan"))
                 row["replay_ms"] = timed(graphs.graphs[b].replay, args.device, args.iters) * 1e3
             graphs_saved, worker.decode_graphs = worker.decode_graphs, None
             try:
@@ -332,11 +358,14 @@ def print_table(args, bw: float) -> None:
           f"{time.strftime('%Y-%m-%d')}")
     print(f"device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
     print(f"{'decode (ctx ' + str(args.context) + ')':24s} {'floor ms':>9s} {'graph ms':>9s} {'replay ms':>10s} "
-          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'all-weights floor ms':>21s}")
+          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'all-weights floor ms':>21s} "
+          f"{'no-compile graph ms':>20s} {'compile speedup':>16s}")
+    nan = float("nan")
     for r in RESULTS.get("decode", []):
-        print(f"{'batch ' + str(r['batch']):24s} {r['floor_ms']:9.3f} {r.get('graph_ms', float('nan')):9.3f} "
-              f"{r.get('replay_ms', float('nan')):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.2f} "
-              f"{r['bytes'] / 1e9:8.2f} {r['all_weights_floor_ms']:21.3f}")
+        print(f"{'batch ' + str(r['batch']):24s} {r['floor_ms']:9.3f} {r.get('graph_ms', nan):9.3f} "
+              f"{r.get('replay_ms', nan):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.2f} "
+              f"{r['bytes'] / 1e9:8.2f} {r['all_weights_floor_ms']:21.3f} {r.get('uncompiled_graph_ms', nan):20.3f} "
+              f"{r.get('uncompiled_graph_ms', nan) / r.get('graph_ms', nan):16.2f}")
     v = RESULTS.get("vs_transformers")
     if v:
         print(f"batch {args.hf_batch} decode tok/s: ours {v['ours']['decode_tokens_per_s']:.0f}, transformers "

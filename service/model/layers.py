@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
+from .fusion import fused
 
 
 def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -56,9 +57,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_hf(x, self.weight, self.eps)
+
+
+@fused
+def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 class ReplicatedLinear(nn.Module):
@@ -253,6 +259,7 @@ class RotaryEmbedding(KeepFloat32, nn.Module):
         return cs[:, 0], cs[:, 1]
 
 
+@fused
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """x [T, ..., r]; cos/sin [T, r/2]. DeepSeek's interleaved pairs (x0,x1),(x2,x3)... come out
     de-interleaved, exactly like transformers' apply_rotary_pos_emb_interleave; q and k share

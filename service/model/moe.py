@@ -15,6 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
+from .fusion import fused
 from .layers import KeepFloat32, ReplicatedLinear, RMSNorm, SwiGLUMLP, frozen
 
 
@@ -36,20 +37,26 @@ class TopkRouter(KeepFloat32, nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (weights [M, k] fp32, expert ids [M, k])."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            m, e = choice.shape
-            grouped = choice.view(m, self.n_group, e // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        return route(x, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k,
+                     self.norm_topk_prob, self.scaling)
+
+
+@fused
+def route(x, weight, bias, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float):
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    choice = scores + bias
+    if n_group > 1:
+        m, e = choice.shape
+        grouped = choice.view(m, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def grouped_mm_fast(x: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from ..model.fusion import fused
 from ..parallel import TPGroup
 
 
@@ -32,6 +33,7 @@ class FusedTailCollective(Protocol):
     def epoch(self) -> int: ...
 
 
+@fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
