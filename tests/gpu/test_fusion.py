@@ -35,9 +35,10 @@ def test_norms_and_rope_match_eager(m):
     q = torch.randn(m, 16, 64, device=DEV, generator=g).to(BF16)
     k = torch.randn(m, 64, device=DEV, generator=g).to(BF16)
     ang = torch.rand(m, 32, device=DEV, generator=g) * 6.28
+    # eager rope rounds each product to bf16, the fused kernel once at the end: 2 ulps apart
     for inter in (True, False):
-        _close(apply_rope(q, ang.cos(), ang.sin(), inter), apply_rope.eager(q, ang.cos(), ang.sin(), inter), 1e-2)
-        _close(apply_rope(k, ang.cos(), ang.sin(), inter), apply_rope.eager(k, ang.cos(), ang.sin(), inter), 1e-2)
+        _close(apply_rope(q, ang.cos(), ang.sin(), inter), apply_rope.eager(q, ang.cos(), ang.sin(), inter), 2e-2)
+        _close(apply_rope(k, ang.cos(), ang.sin(), inter), apply_rope.eager(k, ang.cos(), ang.sin(), inter), 2e-2)
 
 
 @pytest.mark.parametrize("m", [1, 8, 64])
