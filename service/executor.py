@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .coordinator import error_text
 from .engine_config import EngineConfig
+from .executor_base import AllRankCalls
 from .log import get_logger
 from .rank_actor import RankActor
 
@@ -33,7 +34,7 @@ def ensure_ray(address: str | None) -> None:
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
 
 
-class RayExecutor:
+class RayExecutor(AllRankCalls):
     def __init__(self, config: EngineConfig):
         self.config = config
         tp = config.tensor_parallel_size
@@ -100,17 +101,6 @@ class RayExecutor:
 
     def put(self, value):
         return ray.put(value)
-
-    def collective_rpc(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list:
-        outcomes = self.call_all("collective_rpc", method, *args, timeout=timeout, **kwargs)
-        bad = [o for o in outcomes if not o["ok"]]
-        if bad:
-            raise RuntimeError("; ".join(o["error"] for o in bad))
-        return [o["result"] for o in outcomes]
-
-    def alive(self, timeout: float = 2.0) -> list[bool]:
-        outcomes = self.call_all("collective_rpc", "ping", timeout=timeout)
-        return [o["ok"] for o in outcomes]
 
     def shutdown(self) -> None:
         try:

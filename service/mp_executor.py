@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .engine_config import EngineConfig
+from .executor_base import AllRankCalls
 from .log import get_logger
 
 log = get_logger("mp_executor")
@@ -140,7 +141,7 @@ def _gpus_visible() -> int:
     return torch.cuda.device_count()
 
 
-class MpExecutor:
+class MpExecutor(AllRankCalls):
     """Same surface as RayExecutor and UniExecutor (rank0_call, call_all, collective_rpc, put)."""
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0):
@@ -199,16 +200,6 @@ class MpExecutor:
                 first = (str(e).strip().splitlines() or [""])[0]
                 outcomes.append({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {first}"})
         return outcomes
-
-    def collective_rpc(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list:
-        outcomes = self.call_all("collective_rpc", method, *args, timeout=timeout, **kwargs)
-        bad = [o for o in outcomes if not o["ok"]]
-        if bad:
-            raise RuntimeError("; ".join(o["error"] for o in bad))
-        return [o["result"] for o in outcomes]
-
-    def alive(self, timeout: float = 2.0) -> list[bool]:
-        return [o["ok"] for o in self.call_all("collective_rpc", "ping", timeout=timeout)]
 
     def shutdown(self) -> None:
         try:
