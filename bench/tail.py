@@ -9,13 +9,28 @@ another on one stream, so the fused time is for ALL ranks together (printed divi
 baseline is one rank's unfused compute (RMSNorm + full up-projection + adds) with its
 all-reduces replaced by sums over the partials (no communication at all). Both are timed as
 CUDA-graph replays (how decode runs them) and eagerly.
+    python3 bench/tail.py --device cuda --tp 2,4,8
+
+--device cuda --procs: real rank processes (spawned), one per rank, rank r on GPU
+r % device_count(); the fused tail is TritonTailCollective (peers' comm mapped through cuMem
+FDs), the unfused one the real `unfused_tail` over the process group: NCCL all-reduces when
+every rank has a GPU of its own, else gloo (NCCL refuses two ranks on one GPU; up to 2 ranks
+share a GPU, time-sliced, with a tenth of the iterations: slow, for correctness more than
+speed). Every rank times both eagerly (wall time per call, Python launches included) and as
+CUDA-graph replays in lockstep across the ranks (the fused tail captured without its host-side
+error check, which runs after the replays; gloo collectives cannot be captured: n/a). Rank 0's
+times are printed; the error column is the worst rank's.
+    python3 bench/tail.py --device cuda --procs --tp 2,4,8
+    python3 bench/tail.py --device cuda --procs --tp 2 --scale 0.3   # one GPU, 2 ranks sharing it
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import os
+import queue as queue_mod
 import socket
 import statistics
 import sys
@@ -49,7 +64,7 @@ def _weights(latent: int, hidden: int, dtype, device="cpu"):
 
 # ---- CPU: rank processes ----------------------------------------------------------------------
 
-def _unfused_cpu(group, routed, shared, norm, up):
+def _unfused(group, routed, shared, norm, up):
     # all_reduce works in place: keep the inputs intact for the next iteration.
     return unfused_tail(group, routed.clone(), shared.clone(), norm, up, 1e-6)
 
@@ -74,7 +89,7 @@ def _cpu_rank(rank, tp, port, args, queue):
         n = _iters(m, args.scale)
         row = {"m": m, "iters": n}
         fused = partial(coll.fused_tail, routed, shared, norm, up, 1e-6)
-        unfused = partial(_unfused_cpu, group, routed, shared, norm, up)
+        unfused = partial(_unfused, group, routed, shared, norm, up)
         for name, fn in (("fused", fused), ("unfused", unfused)):
             for _ in range(max(3, n // 10)):
                 fn()
@@ -191,6 +206,194 @@ def bench_cuda(args) -> None:
         group.close()
 
 
+# ---- CUDA: rank processes (--procs) -----------------------------------------------------------
+
+def _time_eager_procs(fn, n: int, barrier) -> float:
+    """Wall time per call with Python launches included (median of 3 runs, all ranks starting
+    each run together)."""
+    for _ in range(max(3, n // 10)):
+        fn()
+    samples = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(samples)
+
+
+def _time_graph_procs(fn, n: int, barrier):
+    """GPU time per replay of `fn` captured in a CUDA graph (median of 3 runs). Every rank
+    warms up, captures and replays the same number of times, each run after a barrier: the
+    fused tail spins on its peers, so the ranks must replay in lockstep."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the process group's threads (NCCL watchdog, gloo) may touch CUDA meanwhile.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = fn()
+    samples = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) / n * 1e3)
+    return statistics.median(samples), out, graph
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def _digest(*tensors) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _share(tp: int, ndev: int) -> int:
+    """Ranks per GPU (the most on any GPU)."""
+    return -(-tp // ndev)
+
+
+def _cuda_rank(rank, tp, port, args, queue):
+    ndev = torch.cuda.device_count()
+    idx = rank % ndev
+    torch.cuda.set_device(idx)  # before anything touches CUDA
+    dev = torch.device("cuda", idx)
+
+    import torch.distributed as dist
+
+    from service.parallel import TPGroup
+    from service.tail.triton_tail import TritonTailCollective
+
+    nccl = ndev >= tp
+    kwargs = {"device_id": dev} if nccl else {}
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=tp, timeout=datetime.timedelta(seconds=600), **kwargs)
+    group = TPGroup(rank, tp, dist.group.WORLD)
+    dtype = DTYPES[args.dtype]
+    coll = TritonTailCollective(rank, tp, max_tokens=max(args.m), latent_dim=args.latent, hidden_dim=args.hidden,
+                                dtype=dtype, state_alloc=lambda n, s, d: torch.zeros(s, dtype=d, device=dev),
+                                group_name=f"benchcuda{tp}-{port}", deadline_s=30.0, barrier=group.barrier,
+                                device=f"cuda:{idx}")
+    up, norm = _weights(args.latent, args.hidden, dtype, dev)
+    share = _share(tp, ndev)
+    for i, m in enumerate(args.m):
+        routed, shared = _inputs(100 + rank, m, args.latent, args.hidden, dtype, dev)
+        n = _iters(m, args.scale)
+        if share > 1:
+            n = max(10, n // 10)
+        fused = partial(coll.fused_tail, routed, shared, norm, up, 1e-6)
+        unfused = partial(_unfused, group, routed, shared, norm, up)
+        row = {"rank": rank, "i": i, "m": m, "iters": n}
+        row["fused_eager"] = _time_eager_procs(fused, n, group.barrier)
+        row["unfused_eager"] = _time_eager_procs(unfused, n, group.barrier)
+        row["fused_graph"], graph_out, g1 = _time_graph_procs(partial(fused, check=False), n, group.barrier)
+        coll.check()  # a deadline hit during the replays would surface here
+        g2 = None
+        row["unfused_graph"] = None
+        if nccl:
+            row["unfused_graph"], _ref, g2 = _time_graph_procs(unfused, n, group.barrier)
+        # One more eager call of each on every rank (same count everywhere), for the errors.
+        eager_out = fused()
+        ref = unfused()
+        row["err"] = max(_rel_err(eager_out, ref), _rel_err(graph_out, ref))
+        row["digest"] = _digest(eager_out, graph_out)
+        queue.put(row)
+        del g1, g2
+    torch.cuda.synchronize()
+    group.barrier()  # every peer is done with this rank's comm region before it goes
+    coll.close()
+    group.barrier()
+    dist.destroy_process_group()
+
+
+def _next_row(queue, procs):
+    """The next row from the ranks; raises (the other ranks stopped) as soon as a rank fails."""
+    while True:
+        try:
+            return queue.get(timeout=5)
+        except queue_mod.Empty:
+            pass
+        if procs.join(timeout=0.01):  # raises when a rank failed; True: every rank is gone
+            try:
+                return queue.get(timeout=5)
+            except queue_mod.Empty:
+                raise RuntimeError("the ranks exited without reporting every row") from None
+
+
+def bench_cuda_procs(args) -> None:
+    import torch.multiprocessing as mp
+
+    ndev = torch.cuda.device_count()
+    if ndev == 0:
+        raise SystemExit("--procs needs a CUDA GPU")
+    too_many = [tp for tp in args.tp if tp > 2 * ndev]
+    if too_many:
+        raise SystemExit(f"refusing TP {too_many} on {ndev} GPU(s): more than 2 rank processes per GPU "
+                         f"(time-sliced spinning ranks) is too much sharing; use --tp <= {2 * ndev}")
+    names = [torch.cuda.get_device_name(i) for i in range(ndev)]
+    print(f"{ndev} GPU(s): " + ", ".join(f"cuda:{i} {n}" for i, n in enumerate(names))
+          + f"  ({args.dtype}, H={args.hidden}, L={args.latent})", flush=True)
+    print("real rank processes, rank r on GPU r % GPUs. fused: TritonTailCollective (one rank's time,\n"
+          "rank 0). unfused: unfused_tail over the process group (two all-reduces + RMSNorm + the full\n"
+          "up-projection). eager = wall time per call (Python launches; the fused tail reads its error\n"
+          "words each call); graph = CUDA-graph replay (GPU time; fused captured without the check).\n"
+          "ratio = unfused / fused. err = max |fused - unfused| / max |unfused| over ranks and both\n"
+          "fused outputs; agree = the fused outputs are bit-identical on every rank.", flush=True)
+    ctx = mp.get_context("spawn")
+    for tp in args.tp:
+        share = _share(tp, ndev)
+        used = min(tp, ndev)
+        queue = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if share == 1:
+            how = f"{tp} GPUs, one rank each; unfused over NCCL"
+        else:
+            how = (f"{used} GPU(s) shared by up to {share} ranks each (time-sliced, iterations / 10); "
+                   f"unfused over gloo on CUDA tensors (NCCL refuses two ranks on one GPU)")
+        print(f"\nTP {tp} processes: {how}", flush=True)
+        procs = mp.start_processes(_cuda_rank, args=(tp, port, args, queue), nprocs=tp, join=False,
+                                   start_method="spawn")
+        print(f"{'M':>5} {'iters':>6} {'fused eager us':>15} {'unfused eager us':>17} {'ratio':>6} "
+              f"{'fused graph us':>15} {'unfused graph us':>17} {'ratio':>6} {'err':>9} {'agree':>6}", flush=True)
+        pending: dict[int, list[dict]] = {}
+        for i in range(len(args.m)):
+            while len(pending.get(i, [])) < tp:  # the ranks' rows arrive in any order
+                row = _next_row(queue, procs)
+                pending.setdefault(row["i"], []).append(row)
+            rows = pending.pop(i)
+            r0 = next(r for r in rows if r["rank"] == 0)
+            err = max(r["err"] for r in rows)
+            agree = "yes" if len({r["digest"] for r in rows}) == 1 else "NO"
+            ug = r0["unfused_graph"]
+            ug_s = f"{ug:>17.1f}" if ug is not None else f"{'n/a':>17}"
+            ratio_g = f"{ug / r0['fused_graph']:>6.2f}" if ug is not None else f"{'n/a':>6}"
+            print(f"{r0['m']:>5} {r0['iters']:>6} {r0['fused_eager']:>15.1f} {r0['unfused_eager']:>17.1f} "
+                  f"{r0['unfused_eager'] / r0['fused_eager']:>6.2f} {r0['fused_graph']:>15.1f} {ug_s} {ratio_g} "
+                  f"{err:>9.2e} {agree:>6}", flush=True)
+        while not procs.join():
+            pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -200,8 +403,14 @@ def main() -> None:
     ap.add_argument("--latent", type=int, default=1024)
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the iteration counts")
+    ap.add_argument("--procs", action="store_true",
+                    help="with --device cuda: one real process per rank (rank r on GPU r %% GPUs)")
     args = ap.parse_args()
-    if args.device == "cuda":
+    if args.procs and args.device != "cuda":
+        ap.error("--procs needs --device cuda (the CPU mode always runs rank processes)")
+    if args.device == "cuda" and args.procs:
+        bench_cuda_procs(args)
+    elif args.device == "cuda":
         bench_cuda(args)
     else:
         bench_cpu(args)
