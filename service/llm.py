@@ -82,7 +82,18 @@ class LLM:
         self.executor.rank0_call("pause", "wait")
         if level == 0:
             return [{"rank": r, "level": 0} for r in range(self.config.tensor_parallel_size)]
-        return self._all_or_error("sleep", level)
+        outcomes = self.executor.call_all("sleep", level)
+        if all(o["ok"] for o in outcomes):
+            return [o["result"] for o in outcomes]
+        # Never leave the cluster half asleep: wake the ranks that did sleep (a no-op on the
+        # others) and serve again. Weights a level-2 sleep discarded stay marked stale.
+        woke = self.executor.call_all("wake_up", list(_TAGS))
+        rolled_back = all(o["ok"] for o in woke)
+        if rolled_back:
+            self.executor.rank0_call("resume")
+        failed = "; ".join(o["error"] for o in outcomes if not o["ok"])
+        state = "rolled back: every rank is awake" if rolled_back else "rollback failed on some ranks"
+        raise SleepError(f"sleep failed ({state}): {failed}", outcomes + [{"rollback": w} for w in woke])
 
     def wake_up(self, tags: list[str] | None = None) -> list[dict]:
         tags = list(tags) if tags else list(_TAGS)

@@ -62,7 +62,15 @@ def test_mp_rank_failure_is_reported_per_rank():
         llm.collective_rpc("fail_next_sleep")
         with pytest.raises(SleepError, match="injected sleep failure") as info:
             llm.sleep(level=1)
-        assert [o["ok"] for o in info.value.outcomes].count(False) == 2
+        assert [o.get("ok") for o in info.value.outcomes].count(False) == 2
+        assert "rolled back" in str(info.value)
+        # One rank fails: the other had slept and is woken again; nothing is left half asleep.
+        ref = _tokens(llm)
+        llm.executor.ranks[1].call("collective_rpc", "fail_next_sleep").result(10)
+        with pytest.raises(SleepError, match="rolled back.*rank 1: injected"):
+            llm.sleep(level=1)
+        assert not llm.is_sleeping()
+        assert _tokens(llm) == ref
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="unknown collective_rpc method"):
             llm.collective_rpc("no_such_rpc")
