@@ -50,7 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt) + token_prompts
     if not prompts:
         raise InvalidRequest("give --prompt TEXT or --prompt-token-ids 1,2,3")
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args), distributed_executor_backend=args.distributed_executor_backend,
+              enforce_eager=args.enforce_eager)
     try:
         for out in llm.generate(prompts, params):
             o = out.outputs[0]
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--sample-seed", type=int, default=None)
     g.add_argument("--json", action="store_true")
+    g.add_argument("--distributed-executor-backend", default="ray", choices=["ray", "mp", "uni"],
+                   help="ray: a Ray actor per rank; mp: a process per rank, no Ray; uni: TP 1 in this process")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI API with /sleep and /wake_up")

@@ -31,3 +31,14 @@ def test_missing_model_exits_2():
     p = _run("generate", "--model", "/nonexistent/ckpt", "--prompt", "x")
     assert p.returncode == 2
     assert "neither a preset" in p.stderr
+
+
+def test_generate_without_ray_mp_tp2_matches_uni_tp1():
+    common = ("generate", "--model", "tiny", "--dtype", "float32", "--prompt-token-ids", "5,6,7,8",
+              "--max-tokens", "8", "--json")
+    outs = {}
+    for backend, tp in (("uni", "1"), ("mp", "2")):
+        p = _run(*common, "--tp", tp, "--distributed-executor-backend", backend)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs[backend] = [json.loads(line)["token_ids"] for line in p.stdout.splitlines() if line.startswith("{")]
+    assert outs["mp"] == outs["uni"] and len(outs["uni"][0]) == 8
