@@ -116,11 +116,23 @@ class _Base:
         return params
 
 
+# The server keeps idle connections for SERVER_KEEP_ALIVE_S; the client drops them well before,
+# so it never sends a request on a connection the server is closing at that very moment
+# (seen as "Server disconnected without sending a response" after an idle pause).
+SERVER_KEEP_ALIVE_S = 30
+CLIENT_KEEP_ALIVE_S = 10.0
+
+
+def _limits(max_connections: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                        keepalive_expiry=CLIENT_KEEP_ALIVE_S)
+
+
 class Client(_Base):
     def __init__(self, base_url: str, admin_key: str | None = None, timeout: float = 600.0,
                  model: str | None = None):
         super().__init__(base_url, admin_key, model)
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, limits=_limits(10))
 
     def _do(self, call: _Call):
         return _result(self._http.request(call.method, call.path, params=call.params, json=call.json,
@@ -224,8 +236,7 @@ class AsyncClient(_Base):
     def __init__(self, base_url: str, admin_key: str | None = None, timeout: float = 600.0,
                  model: str | None = None, max_connections: int = 256):
         super().__init__(base_url, admin_key, model)
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=_limits(max_connections))
 
     async def _do(self, call: _Call):
         return _result(await self._http.request(call.method, call.path, params=call.params, json=call.json,

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..client import SERVER_KEEP_ALIVE_S
 from ..engine_config import EngineConfig
 from ..log import get_logger
 from . import admin, completions
@@ -96,7 +97,8 @@ def serve(args: argparse.Namespace) -> int:
         controller.load()
         app = create_app(controller, args.admin_key)
         log.info("listening", url=f"http://{args.host}:{args.port}", startup_seconds=round(time.perf_counter() - t0, 1))
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                    timeout_keep_alive=SERVER_KEEP_ALIVE_S)
     finally:
         if ray.is_initialized():
             ray.shutdown()
