@@ -35,21 +35,37 @@ def _raise_recompile_limit() -> None:
             return
 
 
+def _compiler_errors() -> tuple[type[BaseException], ...]:
+    """Failures of the compiler itself; a kernel's runtime error (OOM, bad input) is not one."""
+    import torch._dynamo.exc as dynamo_exc
+
+    names = [(dynamo_exc, "TorchDynamoException"), (dynamo_exc, "FailOnRecompileLimitHit")]
+    try:
+        import torch._inductor.exc as inductor_exc
+
+        names.append((inductor_exc, "InductorError"))
+    except ImportError:
+        pass
+    return tuple(getattr(mod, name) for mod, name in names if hasattr(mod, name))
+
+
 def fused(fn):
     compiled = None
     broken = False
+    errors: tuple[type[BaseException], ...] = ()
 
     @functools.wraps(fn)
     def call(x: torch.Tensor, *args):
-        nonlocal compiled, broken
+        nonlocal compiled, broken, errors
         if broken or not x.is_cuda or not compile_enabled() or torch.compiler.is_compiling():
             return fn(x, *args)
         if compiled is None:
             _raise_recompile_limit()
+            errors = _compiler_errors()
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
         try:
             return compiled(x, *args)
-        except Exception as e:  # a compiler failure costs speed, never a request
+        except errors as e:  # a compiler failure costs speed, never a request
             broken = True
             log.error("fusion_off", function=fn.__name__, error=f"{type(e).__name__}: {e}"[:500])
             return fn(x, *args)
