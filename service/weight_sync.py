@@ -11,12 +11,13 @@ model of many small tensors costs few broadcasts.
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .net import free_port
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -64,12 +65,6 @@ def buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]
     if cur:
         out.append(cur)
     return out
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SyncGroup:

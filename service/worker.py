@@ -19,6 +19,7 @@ import torch
 from .engine.plan import StepPlan
 from .engine_config import EngineConfig
 from .log import get_logger
+from .net import free_port
 from .parallel import TPGroup, set_cpu_threads
 
 log = get_logger("worker")
@@ -65,10 +66,7 @@ class RankWorker:
             import ray
 
             host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        return f"tcp://{host}:{free_port(host)}"
 
     def node_id(self) -> str:
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from service.net import free_port
 from service.parallel import TPGroup
 from service.tail.base import TailRunner, TailTimeout, unfused_tail
 from service.tail.protocol import (
@@ -169,18 +169,12 @@ def _worker(rank, world_size, port, out_dir, tag):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")
 def ranks(request, tmp_path_factory):
     tp = request.param
     out = tmp_path_factory.mktemp(f"tail_tp{tp}")
     tag = f"test{os.getpid()}-{tp}"
-    ctx = mp.start_processes(_worker, args=(tp, _free_port(), str(out), tag), nprocs=tp, join=False,
+    ctx = mp.start_processes(_worker, args=(tp, free_port(), str(out), tag), nprocs=tp, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + 400
     try:
