@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 
 import pytest
@@ -21,36 +20,14 @@ triton = pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from tail_cases import EPS, HIDDEN, LATENT, M_SEQUENCE, MAX_TOKENS, rel_err, tail_inputs, tail_weights  # noqa: E402
+
+from service.net import free_port  # noqa: E402
 from service.tail.base import unfused_tail  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
-LATENT, HIDDEN, MAX_TOKENS = 160, 256, 128
-M_SEQUENCE = (1, 5, 8, 16, 33, 65, 5)
-EPS = 1e-6
 DEADLINE_S = 30.0
 DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 2e-2)}
-
-
-def _inputs(tp: int, m: int, seed: int, dtype: torch.dtype, device):
-    """Every rank's partials (each rank builds all of them and takes its own)."""
-    g = torch.Generator().manual_seed(seed)
-    routed = [torch.randn(m, LATENT, generator=g) for _ in range(tp)]
-    shared = [torch.randn(m, HIDDEN, generator=g) for _ in range(tp)]
-    routed[0][0, :4] = -0.0  # real negative zeros must travel as +0.0
-    shared[-1][0, ::5] = -0.0
-    return [x.to(device, dtype) for x in routed], [x.to(device, dtype) for x in shared]
-
-
-def _weights(dtype: torch.dtype, device):
-    g = torch.Generator().manual_seed(3)
-    up = torch.randn(HIDDEN, LATENT, generator=g) / LATENT**0.5
-    norm = torch.rand(LATENT, generator=g) + 0.5
-    return up.to(device, dtype), norm.to(device, dtype)
-
-
-def _rel_err(out, ref) -> float:
-    out, ref = out.float().cpu(), ref.float().cpu()
-    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 def _worker(rank, world_size, port, out_dir, dtype_name):
@@ -80,10 +57,10 @@ def _worker(rank, world_size, port, out_dir, dtype_name):
             state_alloc=lambda n, s, d: torch.zeros(s, dtype=d, device=dev),
             group_name=f"tprocs-{world_size}-{dtype_name}-{port}", deadline_s=DEADLINE_S, barrier=tp.barrier,
             device=f"cuda:{idx}")
-        up, norm = _weights(dtype, dev)
+        up, norm = tail_weights(dtype, dev)
         errs, outs = [], []
         for i, m in enumerate(M_SEQUENCE):
-            routed, shared = _inputs(world_size, m, 100 + i, dtype, dev)
+            routed, shared = tail_inputs(world_size, m, 100 + i, dtype, dev)
             nw = norm if i % 2 == 0 else None
             out = coll.fused_tail(routed[rank], shared[rank], nw, up, EPS)
             if backend == "nccl":  # all_reduce works in place: the reference gets copies
@@ -91,7 +68,7 @@ def _worker(rank, world_size, port, out_dir, dtype_name):
             else:
                 ref = unfused_tail(tp, routed[rank].cpu(), shared[rank].cpu(),
                                    None if nw is None else nw.cpu(), up.cpu(), EPS)
-            errs.append(_rel_err(out, ref))
+            errs.append(rel_err(out, ref))
             outs.append(out.cpu())
         result = {"errs": errs, "outs": outs, "epoch": coll.epoch(), "backend": backend, "gpu": idx}
         torch.cuda.synchronize()
@@ -112,9 +89,7 @@ def _worker(rank, world_size, port, out_dir, dtype_name):
 def test_fused_matches_unfused_across_processes(tp, dtype_name, tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn_error = None
     try:
         mp.start_processes(_worker, args=(tp, port, str(tmp_path), dtype_name), nprocs=tp,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -20,30 +19,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 
+from tail_cases import EPS, HIDDEN, LATENT, M_SEQUENCE, MAX_TOKENS, rel_err, tail_inputs, tail_weights  # noqa: E402
+
+from service.net import free_port  # noqa: E402
 from service.tail.base import TailTimeout, rms_norm, unfused_tail  # noqa: E402
 from service.tail.triton_tail import VirtualTailGroup  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 DEVICE = "cpu" if INTERPRET else "cuda"
-LATENT, HIDDEN, MAX_TOKENS = 160, 256, 128
-M_SEQUENCE = (1, 5, 8, 16, 33, 65, 5)
-EPS = 1e-6
-
-
-def _inputs(tp: int, m: int, seed: int, dtype: torch.dtype):
-    g = torch.Generator().manual_seed(seed)
-    routed = [torch.randn(m, LATENT, generator=g) for _ in range(tp)]
-    shared = [torch.randn(m, HIDDEN, generator=g) for _ in range(tp)]
-    routed[0][0, :4] = -0.0  # real negative zeros must travel as +0.0
-    shared[-1][0, ::5] = -0.0
-    return [x.to(DEVICE, dtype) for x in routed], [x.to(DEVICE, dtype) for x in shared]
-
-
-def _weights(dtype: torch.dtype):
-    g = torch.Generator().manual_seed(3)
-    up = torch.randn(HIDDEN, LATENT, generator=g) / LATENT**0.5
-    norm = torch.rand(LATENT, generator=g) + 0.5
-    return up.to(DEVICE, dtype), norm.to(DEVICE, dtype)
 
 
 def _reference(routed, shared, norm, up):
@@ -52,22 +35,18 @@ def _reference(routed, shared, norm, up):
     return latent @ up.t() + torch.stack(shared).sum(0)
 
 
-def _rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_fused_matches_unfused(tp, dtype, tol):
     group = VirtualTailGroup(tp, max_tokens=MAX_TOKENS, latent_dim=LATENT, hidden_dim=HIDDEN, dtype=dtype,
                              deadline_s=5.0, device=DEVICE)
-    up, norm = _weights(dtype)
+    up, norm = tail_weights(dtype, DEVICE)
     try:
         for i, m in enumerate(M_SEQUENCE):
-            routed, shared = _inputs(tp, m, 100 + i, dtype)
+            routed, shared = tail_inputs(tp, m, 100 + i, dtype, DEVICE)
             outs = group.fused_tail(routed, shared, norm if i % 2 == 0 else None, up, EPS)
             ref = _reference(routed, shared, norm if i % 2 == 0 else None, up)
-            err = _rel_err(outs[0], ref)
+            err = rel_err(outs[0], ref)
             assert err <= tol, f"M={m}: error {err:.2e}"
             for r, out in enumerate(outs[1:], start=1):
                 assert torch.equal(out, outs[0]), f"rank {r} differs at M={m}"
@@ -80,13 +59,13 @@ def test_lost_flags_end_in_timeout():
     tp, dtype, deadline = 2, torch.float32, 1.0
     group = VirtualTailGroup(tp, max_tokens=16, latent_dim=LATENT, hidden_dim=HIDDEN, dtype=dtype,
                              deadline_s=deadline, device=DEVICE)
-    up, norm = _weights(dtype)
+    up, norm = tail_weights(dtype, DEVICE)
     try:
         for i in range(4):
-            group.fused_tail(*_inputs(tp, 3, i, dtype), norm, up, EPS)
+            group.fused_tail(*tail_inputs(tp, 3, i, dtype, DEVICE), norm, up, EPS)
         group.zero_flags()
         for call in range(1, 4):
-            routed, shared = _inputs(tp, 3, 10 + call, dtype)
+            routed, shared = tail_inputs(tp, 3, 10 + call, dtype, DEVICE)
             t0 = time.perf_counter()
             try:
                 outs = group.fused_tail(routed, shared, norm, up, EPS)
@@ -94,12 +73,12 @@ def test_lost_flags_end_in_timeout():
                 assert "epoch" in str(e) and "buffer" in str(e)
                 assert time.perf_counter() - t0 < 10 * deadline + 30
                 break
-            assert _rel_err(outs[0], _reference(routed, shared, norm, up)) < 1e-5, "garbage after lost flags"
+            assert rel_err(outs[0], _reference(routed, shared, norm, up)) < 1e-5, "garbage after lost flags"
         else:
             pytest.fail("no TailTimeout within 3 calls after the flags were zeroed")
         # The error stays: later calls fail fast instead of computing on broken state.
         with pytest.raises(TailTimeout):
-            group.fused_tail(*_inputs(tp, 3, 99, dtype), norm, up, EPS)
+            group.fused_tail(*tail_inputs(tp, 3, 99, dtype, DEVICE), norm, up, EPS)
     finally:
         group.close()
 
@@ -108,14 +87,14 @@ def test_peer_table_is_what_the_kernels_use():
     tp, dtype = 2, torch.float32
     group = VirtualTailGroup(tp, max_tokens=16, latent_dim=LATENT, hidden_dim=HIDDEN, dtype=dtype,
                              deadline_s=1.0, device=DEVICE)
-    up, norm = _weights(dtype)
+    up, norm = tail_weights(dtype, DEVICE)
     try:
-        routed, shared = _inputs(tp, 4, 7, dtype)
+        routed, shared = tail_inputs(tp, 4, 7, dtype, DEVICE)
         table = group.ranks[0].peer_ptrs
         table[[0, 1]] = table[[1, 0]].clone()  # rank 0 now stores peer 1's share at home
         try:
             outs = group.fused_tail(routed, shared, norm, up, EPS)
-            changed = _rel_err(outs[1], _reference(routed, shared, norm, up)) > 1e-3
+            changed = rel_err(outs[1], _reference(routed, shared, norm, up)) > 1e-3
         except TailTimeout:
             changed = True
         assert changed
@@ -139,13 +118,13 @@ def _two_process_worker(rank, world_size, port, out_dir):
         coll = TritonTailCollective(rank, world_size, max_tokens=16, latent_dim=LATENT, hidden_dim=HIDDEN,
                                     dtype=dtype, state_alloc=lambda n, s, d: torch.zeros(s, dtype=d, device="cuda"),
                                     group_name=f"t2p{port}", deadline_s=20.0, barrier=tp.barrier, device="cuda")
-        up, norm = _weights(dtype)
+        up, norm = tail_weights(dtype, DEVICE)
         errs = []
         for i, m in enumerate((1, 5, 16)):
-            routed, shared = _inputs(world_size, m, 40 + i, dtype)
+            routed, shared = tail_inputs(world_size, m, 40 + i, dtype, DEVICE)
             out = coll.fused_tail(routed[rank], shared[rank], norm, up, EPS)
             ref = unfused_tail(tp, routed[rank].cpu(), shared[rank].cpu(), norm.cpu(), up.cpu(), EPS)
-            errs.append(_rel_err(out.cpu(), ref))
+            errs.append(rel_err(out.cpu(), ref))
         result = {"errs": errs, "out": out.cpu(), "epoch": coll.epoch()}
         coll.close()
     except Exception:
@@ -157,10 +136,7 @@ def _two_process_worker(rank, world_size, port, out_dir):
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_processes_share_comm_through_fds(tmp_path):
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_two_process_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_two_process_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r, x in enumerate(res):
         assert "error" not in x, f"rank {r}:\n{x['error']}"
