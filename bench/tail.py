@@ -31,7 +31,6 @@ import datetime
 import hashlib
 import os
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from service.net import free_port  # noqa: E402
 from service.tail.base import rms_norm, unfused_tail  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -111,9 +111,7 @@ def bench_cpu(args) -> None:
     ctx = mp.get_context("spawn")
     for tp in args.tp:
         queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         procs = mp.start_processes(_cpu_rank, args=(tp, port, args, queue), nprocs=tp, join=False,
                                    start_method="spawn")
         print(f"\nTP {tp} (CPU processes, {args.dtype}, H={args.hidden}, L={args.latent}, "
@@ -126,15 +124,21 @@ def bench_cpu(args) -> None:
         procs.join()
 
 
-# ---- CUDA: virtual ranks on one GPU -----------------------------------------------------------
+# ---- CUDA timing ------------------------------------------------------------------------------
 
-def _time_eager(fn, n: int) -> float:
-    """Wall time per call with Python launches included (median of 3 runs)."""
+def _no_barrier() -> None:
+    pass
+
+
+def _time_eager(fn, n: int, barrier=_no_barrier) -> float:
+    """Wall time per call with Python launches included (median of 3 runs; with rank processes,
+    every run starts on all ranks together)."""
     for _ in range(max(3, n // 10)):
         fn()
-    torch.cuda.synchronize()
     samples = []
     for _ in range(3):
+        torch.cuda.synchronize()
+        barrier()
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
@@ -143,20 +147,26 @@ def _time_eager(fn, n: int) -> float:
     return statistics.median(samples)
 
 
-def _time_graph(fn, n: int):
+def _time_graph(fn, n: int, barrier=_no_barrier):
     """GPU time per replay of `fn` captured in a CUDA graph, as serving replays decode steps
-    (median of 3 runs). Returns (us, outputs of the captured call)."""
+    (median of 3 runs). Returns (us, outputs of the captured call, graph). With rank processes,
+    every rank warms up, captures and replays the same number of times, each run after a
+    barrier: the fused tail spins on its peers, so the ranks must replay in lockstep."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the process group's threads (NCCL watchdog, gloo) may touch CUDA meanwhile.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
     samples = []
     for _ in range(3):
+        torch.cuda.synchronize()
+        barrier()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(n):
@@ -166,6 +176,8 @@ def _time_graph(fn, n: int):
         samples.append(start.elapsed_time(stop) / n * 1e3)
     return statistics.median(samples), out, graph
 
+
+# ---- CUDA: virtual ranks on one GPU -----------------------------------------------------------
 
 def _unfused_compute(routed, shared, norm, up):
     latent = rms_norm(torch.stack(routed).sum(0), norm, 1e-6)
@@ -207,52 +219,6 @@ def bench_cuda(args) -> None:
 
 
 # ---- CUDA: rank processes (--procs) -----------------------------------------------------------
-
-def _time_eager_procs(fn, n: int, barrier) -> float:
-    """Wall time per call with Python launches included (median of 3 runs, all ranks starting
-    each run together)."""
-    for _ in range(max(3, n // 10)):
-        fn()
-    samples = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(samples)
-
-
-def _time_graph_procs(fn, n: int, barrier):
-    """GPU time per replay of `fn` captured in a CUDA graph (median of 3 runs). Every rank
-    warms up, captures and replays the same number of times, each run after a barrier: the
-    fused tail spins on its peers, so the ranks must replay in lockstep."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the process group's threads (NCCL watchdog, gloo) may touch CUDA meanwhile.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = fn()
-    samples = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        barrier()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            graph.replay()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / n * 1e3)
-    return statistics.median(samples), out, graph
-
 
 def _rel_err(out, ref) -> float:
     out, ref = out.float(), ref.float()
@@ -302,14 +268,14 @@ def _cuda_rank(rank, tp, port, args, queue):
         fused = partial(coll.fused_tail, routed, shared, norm, up, 1e-6)
         unfused = partial(_unfused, group, routed, shared, norm, up)
         row = {"rank": rank, "i": i, "m": m, "iters": n}
-        row["fused_eager"] = _time_eager_procs(fused, n, group.barrier)
-        row["unfused_eager"] = _time_eager_procs(unfused, n, group.barrier)
-        row["fused_graph"], graph_out, g1 = _time_graph_procs(partial(fused, check=False), n, group.barrier)
+        row["fused_eager"] = _time_eager(fused, n, group.barrier)
+        row["unfused_eager"] = _time_eager(unfused, n, group.barrier)
+        row["fused_graph"], graph_out, g1 = _time_graph(partial(fused, check=False), n, group.barrier)
         coll.check()  # a deadline hit during the replays would surface here
         g2 = None
         row["unfused_graph"] = None
         if nccl:
-            row["unfused_graph"], _ref, g2 = _time_graph_procs(unfused, n, group.barrier)
+            row["unfused_graph"], _ref, g2 = _time_graph(unfused, n, group.barrier)
         # One more eager call of each on every rank (same count everywhere), for the errors.
         eager_out = fused()
         ref = unfused()
@@ -362,9 +328,7 @@ def bench_cuda_procs(args) -> None:
         share = _share(tp, ndev)
         used = min(tp, ndev)
         queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if share == 1:
             how = f"{tp} GPUs, one rank each; unfused over NCCL"
         else:
