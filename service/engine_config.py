@@ -64,6 +64,12 @@ class EngineConfig:
         return dataclasses.replace(self, model_config=cfg, checkpoint_dir=ckpt, max_model_len=max_len)
 
     @property
+    def process_group_backend(self) -> str:
+        if self.tp_backend != "auto":
+            return self.tp_backend
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+    @property
     def torch_dtype(self):
         import torch
 

@@ -83,7 +83,6 @@ class RankWorker:
         cfg = self.config
         self.same_node = same_node
         threads = set_cpu_threads(self.world_size) if cfg.device == "cpu" else None
-        backend = cfg.tp_backend if cfg.tp_backend != "auto" else "nccl" if cfg.device.startswith("cuda") else "gloo"
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             # Ray gives each rank actor its own visible GPU, so a bare "cuda" means index 0;
@@ -91,7 +90,7 @@ class RankWorker:
             if self.device.index is None:
                 self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
-        self.tp = TPGroup.init(self.rank, self.world_size, init_method, backend=backend)
+        self.tp = TPGroup.init(self.rank, self.world_size, init_method, backend=cfg.process_group_backend)
         self._build_model(group_name)
         self._load_initial_weights()
         self._allocate_kv_cache()
@@ -262,7 +261,7 @@ class RankWorker:
             self._fail_next_sleep = False
             raise RuntimeError(f"rank {self.rank}: injected sleep failure (test hook)")
         with self._exec_lock:
-            if level > 0 and "weights" not in self.pool.asleep_tags:
+            if level > 0 and self._flags_readable():
                 # The flags live in weights memory, unmapped (GPU) or zeroed (CPU) while it sleeps.
                 self._epochs_at_sleep = self.tail_epochs()
             report = self.pool.sleep(level) if level > 0 else {"level": 0, "noop": "level 0 only pauses"}
