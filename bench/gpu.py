@@ -155,16 +155,22 @@ def profile_eager_step(worker, chunks, device: str, top: int = 12) -> str:
             f"device time\n{table}")
 
 
+def decode_llm(args, **kw) -> LLM:
+    """The decode bench's engine, with real numbers in every KV slot a context reads."""
+    llm = make_llm(args.device, MID, args.preset, max_num_seqs=64, kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
+    with torch.no_grad():
+        for kv in llm.executor.rank0.kv_caches:
+            kv.normal_()
+    return llm
+
+
 def uncompiled_graph_ms(args) -> dict[int, float]:
     """Decode graph step ms per batch of the same model built with LATENTSERVE_COMPILE=0: the
     baseline for what the torch.compile'd elementwise chains (service/model/fusion.py) buy."""
     os.environ["LATENTSERVE_COMPILE"] = "0"
     try:
-        llm = make_llm(args.device, MID, args.preset, max_num_seqs=64, kv_cache_memory_bytes=args.kv_gib * GIB)
+        llm = decode_llm(args)
         worker, out = llm.executor.rank0, {}
-        with torch.no_grad():
-            for kv in worker.kv_caches:
-                kv.normal_()
         for batch in args.batches:
             plan = StepPlan(decode_chunks(batch, args.context, llm.config.block_size))
             with torch.inference_mode():
@@ -181,14 +187,10 @@ def uncompiled_graph_ms(args) -> dict[int, float]:
 
 def bench_decode(args, bw: float) -> LLM:
     base = uncompiled_graph_ms(args)
-    llm = make_llm(args.device, MID, args.preset, enable_sleep_mode=True, max_num_seqs=64,
-                   kv_cache_memory_bytes=args.kv_gib * GIB)
+    llm = decode_llm(args, enable_sleep_mode=True)
     worker = llm.executor.rank0
     graphs = worker.decode_graphs
     log(f"decode graphs: {graphs.stats() if graphs else 'off'}")
-    with torch.no_grad():
-        for kv in worker.kv_caches:
-            kv.normal_()  # real numbers in every slot a context reads
     bs = llm.config.block_size
     rows = []
     for batch in args.batches:
