@@ -7,10 +7,17 @@ greedy tokens must come out identical after every cycle.
 
 from __future__ import annotations
 
+import random
 import time
 
 from .llm import LLM
 from .sampling_params import SamplingParams
+
+
+def plan_prompts(n: int = 16, seed: int = 7, vocab: int = 1024) -> list[dict]:
+    """Short random token-id prompts (ids 2..vocab-1), the same on every call."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(rng.randrange(4, 12))]} for _ in range(n)]
 
 
 def greedy_tokens(llm: LLM, prompts: list[dict], params: SamplingParams) -> list[list[int]]:

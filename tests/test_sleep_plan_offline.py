@@ -1,9 +1,14 @@
 """The seed's test plan (DESIGN §4) through the offline API at TP 8 on CPU, with its negative control."""
 
-import random
-
 from service import LLM, SamplingParams
-from service.seed_plan import check_control, fused_everywhere, identical_counts, negative_control, run_plan
+from service.seed_plan import (
+    check_control,
+    fused_everywhere,
+    identical_counts,
+    negative_control,
+    plan_prompts,
+    run_plan,
+)
 
 TP = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -11,14 +16,9 @@ KW = dict(tensor_parallel_size=TP, dtype="float32", hf_overrides={"num_hidden_la
           enable_sleep_mode=True, sleep_preserve_parameter_names=["*"], fused_tail="auto")
 
 
-def _prompts():
-    rng = random.Random(7)
-    return [{"prompt_token_ids": [rng.randrange(2, 1024) for _ in range(rng.randrange(4, 12))]} for _ in range(16)]
-
-
 def test_seed_plan_tp8():
     with LLM("tiny", **KW) as llm:
-        runs = run_plan(llm, _prompts(), GREEDY)
+        runs = run_plan(llm, plan_prompts(), GREEDY)
         fused_everywhere(llm, TP, moe_layers=3)  # 4 layers, the first is dense
     assert identical_counts(runs) == {name: 16 for name in ("repeat", "after L1", "after L2 #1", "after L2 #2")}
 
@@ -26,5 +26,5 @@ def test_seed_plan_tp8():
 def test_negative_control_zeroed_flags_fails_fast():
     deadline = 3.0
     with LLM("tiny", tail_deadline_s=deadline, **KW) as llm:
-        errors, elapsed = negative_control(llm, _prompts(), GREEDY)
+        errors, elapsed = negative_control(llm, plan_prompts(), GREEDY)
     check_control(errors, elapsed, deadline)

@@ -9,7 +9,6 @@ level-2 wake end in the tail's deadline error.
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from service.seed_plan import (
     greedy_tokens,
     identical_counts,
     negative_control,
+    plan_prompts,
     run_plan,
 )
 
@@ -38,19 +38,14 @@ KW = dict(tensor_parallel_size=TP, dtype="bfloat16", device="cuda", hf_overrides
           fused_tail="on")
 
 
-def _prompts():
-    rng = random.Random(7)
-    return [{"prompt_token_ids": [rng.randrange(2, 1024) for _ in range(rng.randrange(4, 12))]} for _ in range(16)]
-
-
 def test_seed_plan_tp2_on_one_gpu():
     with LLM("tiny", **KW) as llm:
         t0 = time.perf_counter()
-        greedy_tokens(llm, _prompts(), GREEDY)
+        greedy_tokens(llm, plan_prompts(), GREEDY)
         print(f"\nTP 2 on one GPU: 16 prompts x 32 tokens in {time.perf_counter() - t0:.2f}s")
         assert len({p["pid"] for p in llm.collective_rpc("ping")}) == TP
         assert all(r["device"].startswith("cuda") for r in llm.collective_rpc("memory_report"))
-        runs = run_plan(llm, _prompts(), GREEDY)
+        runs = run_plan(llm, plan_prompts(), GREEDY)
         fused_everywhere(llm, TP, moe_layers=3)  # 4 layers, the first is dense
     assert identical_counts(runs) == {name: 16 for name in ("repeat", "after L1", "after L2 #1", "after L2 #2")}
 
@@ -58,5 +53,5 @@ def test_seed_plan_tp2_on_one_gpu():
 def test_negative_control_zeroed_flags_fails_fast():
     deadline = 3.0
     with LLM("tiny", tail_deadline_s=deadline, **KW) as llm:
-        errors, elapsed = negative_control(llm, _prompts(), GREEDY)
+        errors, elapsed = negative_control(llm, plan_prompts(), GREEDY)
     check_control(errors, elapsed, deadline)
