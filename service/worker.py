@@ -195,19 +195,23 @@ class RankWorker:
             raise EngineStateError(reason)
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        from .model.attention import AttnMetadata
-
         with self._exec_lock, torch.inference_mode():
             if self.decode_graphs is not None:
                 logits = self.decode_graphs.run(plan.chunks)
                 if logits is not None:
                     return logits
-            meta = AttnMetadata.build(plan.chunks, self.config.block_size, self.device)
-            ids = torch.tensor([t for c in plan.chunks for t in c.token_ids], dtype=torch.long, device=self.device)
-            hidden = self.model(ids, meta, self.kv_caches)
-            if meta.logits_indices.numel() == 0:
-                return None
-            return self.model.compute_logits(hidden[meta.logits_indices])
+            return self._eager_forward(plan.chunks, self.kv_caches)
+
+    def _eager_forward(self, chunks: list, kv_caches: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """Logits of the chunks that need them (None if none do); kv_caches=None: cache-less."""
+        from .model.attention import AttnMetadata
+
+        meta = AttnMetadata.build(chunks, self.config.block_size, self.device)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, meta, kv_caches)
+        if meta.logits_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[meta.logits_indices])
 
     def execute_step(self, plan: StepPlan) -> torch.Tensor | None:
         """Rank 0: send the plan to every rank, then run it here too."""
@@ -432,13 +436,10 @@ class RankWorker:
 
     def _probe(self, token_ids: list[int]) -> dict:
         from .engine.plan import SeqChunk
-        from .model.attention import AttnMetadata
 
         with self._exec_lock, torch.inference_mode():
             chunks = [SeqChunk(seq_id=0, token_ids=list(token_ids), start_pos=0, block_table=[])]
-            meta = AttnMetadata.build(chunks, self.config.block_size, self.device)
-            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(self.model(ids, meta, None)[meta.logits_indices])
+            logits = self._eager_forward(chunks, None)
         return {"rank": self.rank, "nan": bool(torch.isnan(logits).any()),
                 "argmax": int(logits[-1].nan_to_num(-1e30).argmax())}
 
