@@ -37,14 +37,14 @@ class Trainer:
 
     def __init__(self, preset: str, seed: int = 0):
         from service.config import PRESETS
-        from service.model.model import DeepseekV3ForCausalLM
+        from service.model.model import CausalLM
         from service.parallel import TPGroup
         from service.weights import init_dummy_weights, materialize_plain
 
         torch.set_num_threads(1)
         self.cfg = PRESETS[preset]
         with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(self.cfg, TPGroup.single(), dtype=torch.float32)
+            model = CausalLM(self.cfg, TPGroup.single(), dtype=torch.float32)
         self.model = materialize_plain(model, "cpu")
         init_dummy_weights(self.model, self.cfg, TPGroup.single(), seed=seed)
 

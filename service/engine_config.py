@@ -84,7 +84,8 @@ class EngineConfig:
         if self.num_kv_blocks:
             return self.num_kv_blocks
         cfg = self.model_config
-        per_token = cfg.kv_cache_dim * cfg.num_hidden_layers * self.torch_dtype.itemsize
+        # Only MLA layers keep per-token KV; KDA layers hold a fixed state per sequence.
+        per_token = cfg.kv_cache_dim * max(len(cfg.mla_layers), 1) * self.torch_dtype.itemsize
         wanted = -(-self.max_num_seqs * self.max_model_len // self.block_size)
         fits = self.kv_cache_memory_bytes // (per_token * self.block_size)
         return max(8, min(wanted, fits))

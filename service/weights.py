@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import zlib
@@ -28,7 +29,11 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_SHARD_BYTES = 2 << 30
 # Stored as float32 whatever the checkpoint dtype, as transformers and vLLM keep it.
-FP32_SUFFIXES = ("e_score_correction_bias",)
+FP32_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log")
+# A kimi_k3 checkpoint holds the text model under this prefix (vLLM also accepts
+# `language_model.layers.`, without the `model.`), next to the vision tower we do not serve.
+WRAPPER_PREFIX = "language_model."
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
@@ -64,65 +69,123 @@ class WeightSpec:
 
 
 def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
-    h, n = cfg.hidden_size, cfg.num_attention_heads
-    specs = [WeightSpec("model.embed_tokens.weight", (cfg.vocab_size, h), "model.embed_tokens.weight", 0)]
+    """Every tensor of the model in checkpoint order: DeepSeek-V3 names, or Kimi's (vLLM's
+    Kimi-K3 loader: `block_sparse_moe`, experts `w1/w3/w2`, KDA projections and convs, attention
+    residuals), with a `language_model.` prefix inside a kimi_k3 checkpoint."""
+    h = cfg.hidden_size
+    specs: list[WeightSpec] = []
 
-    def add(name: str, shape: tuple[int, ...], shard_dim: int | None, kind: str = "matrix") -> None:
-        specs.append(WeightSpec(name, shape, name, shard_dim, kind=kind))
+    def add(name: str, shape: tuple[int, ...], shard_dim: int | None, kind: str = "matrix",
+            param: str | None = None) -> None:
+        specs.append(WeightSpec(name, shape, param or name, shard_dim, kind=kind))
 
-    def mlp(prefix: str, inter: int) -> None:
-        add(f"{prefix}.gate_proj.weight", (inter, h), 0)
-        add(f"{prefix}.up_proj.weight", (inter, h), 0)
-        add(f"{prefix}.down_proj.weight", (h, inter), 1)
+    def mlp(prefix: str, inter: int, param: str | None = None) -> None:
+        for proj, shape, dim in (("gate_proj", (inter, h), 0), ("up_proj", (inter, h), 0), ("down_proj", (h, inter), 1)):
+            add(f"{prefix}.{proj}.weight", shape, dim, param=f"{param or prefix}.{proj}.weight")
 
+    add("model.embed_tokens.weight", (cfg.vocab_size, h), 0)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        a = f"{p}.self_attn"
-        if cfg.q_lora_rank:
-            add(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h), None)
-            add(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,), None, "norm")
-            add(f"{a}.q_b_proj.weight", (n * cfg.qk_head_dim, cfg.q_lora_rank), 0)
+        if cfg.is_kda_layer(i):
+            _kda_specs(cfg, f"{p}.self_attn", add)
         else:
-            add(f"{a}.q_proj.weight", (n * cfg.qk_head_dim, h), 0)
-        add(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_cache_dim, h), None)
-        add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), None, "norm")
-        add(f"{a}.kv_b_proj.weight", (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), 0)
-        add(f"{a}.o_proj.weight", (h, n * cfg.v_head_dim), 1)
+            _mla_specs(cfg, f"{p}.self_attn", add)
         add(f"{p}.input_layernorm.weight", (h,), None, "norm")
         add(f"{p}.post_attention_layernorm.weight", (h,), None, "norm")
+        if cfg.attn_res_block_size is not None:
+            for sub in ("self_attention", "mlp"):
+                add(f"{p}.{sub}_res_norm.weight", (h,), None, "norm")
+                add(f"{p}.{sub}_res_proj.weight", (1, h), None)
         if not cfg.is_moe_layer(i):
             mlp(f"{p}.mlp", cfg.intermediate_size)
             continue
-        m = f"{p}.mlp"
+        m, pm = (f"{p}.block_sparse_moe", f"{p}.mlp") if cfg.is_kimi else (f"{p}.mlp", f"{p}.mlp")
         width, inter = cfg.moe_latent_size or h, cfg.moe_intermediate_size
-        add(f"{m}.gate.weight", (cfg.n_routed_experts, h), None)
-        add(f"{m}.gate.e_score_correction_bias", (cfg.n_routed_experts,), None, "bias")
+        add(f"{m}.gate.weight", (cfg.n_routed_experts, h), None, param=f"{pm}.gate.weight")
+        add(f"{m}.gate.e_score_correction_bias", (cfg.n_routed_experts,), None, "bias",
+            param=f"{pm}.gate.e_score_correction_bias")
+        names = ("w1", "w3", "w2") if cfg.is_kimi else ("gate_proj", "up_proj", "down_proj")
         for j in range(cfg.n_routed_experts):
             e = f"{m}.experts.{j}"
-            specs.append(WeightSpec(f"{e}.gate_proj.weight", (inter, width), f"{m}.experts.w1", 0, j))
-            specs.append(WeightSpec(f"{e}.up_proj.weight", (inter, width), f"{m}.experts.w3", 0, j))
-            specs.append(WeightSpec(f"{e}.down_proj.weight", (width, inter), f"{m}.experts.w2", 1, j))
+            specs.append(WeightSpec(f"{e}.{names[0]}.weight", (inter, width), f"{pm}.experts.w1", 0, j))
+            specs.append(WeightSpec(f"{e}.{names[1]}.weight", (inter, width), f"{pm}.experts.w3", 0, j))
+            specs.append(WeightSpec(f"{e}.{names[2]}.weight", (width, inter), f"{pm}.experts.w2", 1, j))
         if cfg.n_shared_experts:
-            mlp(f"{m}.shared_experts", inter * cfg.n_shared_experts)
+            mlp(f"{m}.shared_experts", inter * cfg.n_shared_experts, param=f"{pm}.shared_experts")
         if cfg.is_latent:
-            add(f"{m}.routed_expert_down_proj.weight", (width, h), None)
+            add(f"{m}.routed_expert_down_proj.weight", (width, h), None, param=f"{pm}.routed_expert_down_proj.weight")
             if cfg.latent_moe_use_norm:
-                add(f"{m}.routed_expert_norm.weight", (width,), None, "norm")
-            add(f"{m}.routed_expert_up_proj.weight", (h, width), None)
+                add(f"{m}.routed_expert_norm.weight", (width,), None, "norm", param=f"{pm}.routed_expert_norm.weight")
+            add(f"{m}.routed_expert_up_proj.weight", (h, width), None, param=f"{pm}.routed_expert_up_proj.weight")
+    if cfg.attn_res_block_size is not None:
+        add("model.output_attn_res_norm.weight", (h,), None, "norm")
+        add("model.output_attn_res_proj.weight", (1, h), None)
     add("model.norm.weight", (h,), None, "norm")
     if not cfg.tie_word_embeddings:
         add("lm_head.weight", (cfg.vocab_size, h), 0)
+    if cfg.multimodal_wrapper is not None:
+        specs = [dataclasses.replace(s, hf_name=WRAPPER_PREFIX + s.hf_name) for s in specs]
     return specs
+
+
+def _mla_specs(cfg: ModelConfig, a: str, add) -> None:
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.q_lora_rank:
+        add(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h), None)
+        add(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,), None, "norm")
+        add(f"{a}.q_b_proj.weight", (n * cfg.qk_head_dim, cfg.q_lora_rank), 0)
+    else:
+        add(f"{a}.q_proj.weight", (n * cfg.qk_head_dim, h), 0)
+    add(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_cache_dim, h), None)
+    add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), None, "norm")
+    add(f"{a}.kv_b_proj.weight", (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), 0)
+    add(f"{a}.o_proj.weight", (h, n * cfg.v_head_dim), 1)
+    if cfg.mla_use_output_gate:
+        add(f"{a}.g_proj.weight", (n * cfg.v_head_dim, h), 0)
+
+
+def _kda_specs(cfg: ModelConfig, a: str, add) -> None:
+    """Heads split across ranks; the low-rank input of the forget gate (and of Kimi-Linear's
+    output gate) and the per-head-dim output norm are replicated."""
+    h, heads, d = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+    proj = heads * d
+    for x in ("q", "k", "v"):
+        add(f"{a}.{x}_proj.weight", (proj, h), 0)
+    for x in ("q", "k", "v"):
+        add(f"{a}.{x}_conv1d.weight", (proj, 1, cfg.kda_conv_size), 0)
+    add(f"{a}.f_a_proj.weight", (d, h), None)
+    add(f"{a}.f_b_proj.weight", (proj, d), 0)
+    add(f"{a}.dt_bias", (proj,), 0, "dt_bias")
+    add(f"{a}.A_log", (heads,), 0, "a_log")
+    add(f"{a}.b_proj.weight", (heads, h), 0)
+    if cfg.kda_full_rank_gate:
+        add(f"{a}.g_proj.weight", (proj, h), 0)
+    else:
+        add(f"{a}.g_a_proj.weight", (d, h), None)
+        add(f"{a}.g_b_proj.weight", (proj, d), 0)
+    add(f"{a}.o_norm.weight", (d,), None, "norm")
+    add(f"{a}.o_proj.weight", (h, proj), 1)
 
 
 def expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {s.hf_name: s.shape for s in weight_specs(cfg)}
 
 
+def canonical_name(cfg: ModelConfig, name: str) -> str:
+    """The weight table's spelling of a checkpoint name (both K3 wrapper spellings are in use)."""
+    if cfg.multimodal_wrapper is not None and name.startswith(WRAPPER_PREFIX + "layers."):
+        return WRAPPER_PREFIX + "model." + name[len(WRAPPER_PREFIX):]
+    return name
+
+
 def _ignorable(cfg: ModelConfig, name: str) -> bool:
     """Names a checkpoint may carry that this model does not use."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
+    if cfg.multimodal_wrapper is not None:
+        if name.startswith(_VISION_PREFIXES):
+            return True
+        name = name.removeprefix(WRAPPER_PREFIX)
     if cfg.tie_word_embeddings and name == "lm_head.weight":
         return True
     parts = name.split(".")
@@ -143,11 +206,23 @@ def _assign(params: dict[str, torch.Tensor], spec: WeightSpec, source, tp: TPGro
     target = params[spec.param].data
     if spec.expert is not None:
         target = target[spec.expert]
+    if tuple(_shape(source)) != spec.shape:  # e.g. A_log stored [1, 1, H, 1] (see _same_shape)
+        source = source[:].reshape(spec.shape)
     piece = source[spec.rank_index(tp)]
     if tuple(piece.shape) != tuple(target.shape):
         raise CheckpointError(spec.hf_name, mismatched=[f"{spec.hf_name}: slice {list(piece.shape)} "
                                                         f"vs parameter {list(target.shape)}"])
     target.copy_(piece)
+
+
+def _shape(source) -> tuple[int, ...]:
+    return tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+
+
+def _same_shape(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Equal up to unit dims: checkpoints store KDA's A_log as [H] or [1, 1, H, 1] (transformers)
+    and its conv weights as [C, 1, K] or [C, K]; vLLM accepts both."""
+    return tuple(shape) == tuple(expected) or [d for d in shape if d != 1] == [d for d in expected if d != 1]
 
 
 def _dummy_tensor(spec: WeightSpec, cfg: ModelConfig, seed: int) -> torch.Tensor:
@@ -159,6 +234,11 @@ def _dummy_tensor(spec: WeightSpec, cfg: ModelConfig, seed: int) -> torch.Tensor
     if spec.kind == "bias":
         # Small but non-zero, so the biased choice and the unbiased weights really differ.
         return torch.randn(spec.shape, generator=g) * 0.01
+    if spec.kind == "a_log":  # KDA decay rates exp(A_log) in [1, 16], as FLA initialises them
+        return (1 + 15 * torch.rand(spec.shape, generator=g)).log()
+    if spec.kind == "dt_bias":  # inverse softplus of a time step in [1e-3, 1e-1]
+        dt = (math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(spec.shape, generator=g)).exp()
+        return dt + torch.log(-torch.expm1(-dt))
     return torch.randn(spec.shape, generator=g) * cfg.initializer_range
 
 
@@ -187,15 +267,17 @@ def _problems(cfg: ModelConfig, shapes: Mapping[str, tuple], where: str, complet
     expected = expected_weights(cfg)
     unexpected, mismatched, other = [], [], []
     for name, (shape, dtype) in shapes.items():
+        name = canonical_name(cfg, name)
         if name not in expected:
             if not _ignorable(cfg, name):
                 unexpected.append(name)
             continue
-        if tuple(shape) != expected[name]:
+        if not _same_shape(shape, expected[name]):
             mismatched.append(f"{name}: {list(shape)} vs expected {list(expected[name])}")
         if not _dtype_ok(dtype):
             other.append(f"{name}: unsupported dtype {dtype}")
-    missing = [n for n in expected if n not in shapes] if complete else []
+    given = {canonical_name(cfg, n) for n in shapes}
+    missing = [n for n in expected if n not in given] if complete else []
     if missing or unexpected or mismatched or other:
         return CheckpointError(where, missing, unexpected, mismatched, other)
     return None
@@ -223,8 +305,9 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tp: TPGroup,
     params = _targets(model)
     loaded = 0
     for name, tensor in items:
-        if name in specs:
-            _assign(params, specs[name], tensor, tp)
+        spec = specs.get(canonical_name(cfg, name))
+        if spec is not None:
+            _assign(params, spec, tensor, tp)
             loaded += 1
     return loaded
 
@@ -267,13 +350,13 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, tp: TPGroup, direc
     params = _targets(model)
     by_file: dict[str, list[str]] = {}
     for name, path in files.items():
-        if name in specs:
+        if canonical_name(cfg, name) in specs:
             by_file.setdefault(path, []).append(name)
     bar = tqdm(total=len(specs), desc="loading weights", unit="tensor", file=sys.stderr, disable=not progress)
     for path, names in sorted(by_file.items()):
         with safe_open(path, "pt") as f:
             for name in names:
-                _assign(params, specs[name], f.get_slice(name), tp)
+                _assign(params, specs[canonical_name(cfg, name)], f.get_slice(name), tp)
                 bar.update()
     bar.close()
     return len(specs)

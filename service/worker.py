@@ -44,7 +44,7 @@ class RankWorker:
         self.model = None
         self.pool = None
         self.collective = None
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list = []  # per layer: MLA KV blocks or a KDAState
         self.weight_version = 0
         self.failed: str | None = None
         self.same_node = True
@@ -106,7 +106,7 @@ class RankWorker:
 
     def _build_model(self, group_name: str) -> None:
         from .memory.pool import MemoryPool
-        from .model.model import DeepseekV3ForCausalLM
+        from .model.model import CausalLM
         from .tail.base import TailRunner
 
         cfg = self.config
@@ -123,7 +123,7 @@ class RankWorker:
             return runner
 
         with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(mcfg, self.tp, tail_factory=tail_factory, dtype=cfg.torch_dtype)
+            model = CausalLM(mcfg, self.tp, tail_factory=tail_factory, dtype=cfg.torch_dtype)
         self.pool.materialize(model, list(cfg.sleep_preserve_parameter_names))
         model.reset_buffers()
         model.eval()
@@ -166,11 +166,23 @@ class RankWorker:
         self.pool.mark_weights_loaded()
 
     def _allocate_kv_cache(self) -> None:
+        """One cache per layer, all under the kv_cache tag (level 1 and 2 release them alike): the
+        paged compressed KV of an MLA layer, or a KDA layer's per-sequence state rows (one row per
+        scheduler state slot: conv history and recurrent state)."""
         cfg = self.config
         mcfg = cfg.model_config
         shape = (cfg.kv_blocks(), cfg.block_size, mcfg.kv_cache_dim)
-        self.kv_caches = [self.pool.allocate("kv_cache", f"kv_cache.{i}", shape, cfg.torch_dtype)
-                          for i in range(mcfg.num_hidden_layers)]
+        self.kv_caches = []
+        for i in range(mcfg.num_hidden_layers):
+            if not mcfg.is_kda_layer(i):
+                self.kv_caches.append(self.pool.allocate("kv_cache", f"kv_cache.{i}", shape, cfg.torch_dtype))
+                continue
+            from .model.kda import KDAState, kda_state_shapes
+
+            rows = {name: self.pool.allocate("kv_cache", f"kda_state.{i}.{name}", (cfg.max_num_seqs, *row),
+                                             dtype or cfg.torch_dtype)
+                    for name, (row, dtype) in kda_state_shapes(mcfg, self.world_size).items()}
+            self.kv_caches.append(KDAState(**rows))
 
     # ---- execution -----------------------------------------------------------------
     def refusal(self) -> str | None:
@@ -202,7 +214,7 @@ class RankWorker:
                     return logits
             return self._eager_forward(plan.chunks, self.kv_caches)
 
-    def _eager_forward(self, chunks: list, kv_caches: list[torch.Tensor] | None) -> torch.Tensor | None:
+    def _eager_forward(self, chunks: list, kv_caches: list | None) -> torch.Tensor | None:
         """Logits of the chunks that need them (None if none do); kv_caches=None: cache-less."""
         from .model.attention import AttnMetadata
 

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from service.config import ModelConfig
 from service.engine.plan import SeqChunk
 from service.model.attention import AttnMetadata
-from service.model.model import DeepseekV3ForCausalLM
+from service.model.model import CausalLM
 from service.parallel import TPGroup
 from service.weights import init_dummy_weights, materialize_plain
 
@@ -22,10 +22,10 @@ NEAR_TIE = 1e-4
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup | None = None, dtype=torch.float32, seed: int | None = 0,
-                tail_factory=None, device: str = "cpu") -> DeepseekV3ForCausalLM:
+                tail_factory=None, device: str = "cpu") -> CausalLM:
     tp = tp or TPGroup.single()
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(cfg, tp, tail_factory=tail_factory, dtype=dtype)
+        model = CausalLM(cfg, tp, tail_factory=tail_factory, dtype=dtype)
     materialize_plain(model, device)
     if seed is not None:
         init_dummy_weights(model, cfg, tp, seed=seed)
@@ -33,7 +33,7 @@ def build_model(cfg: ModelConfig, tp: TPGroup | None = None, dtype=torch.float32
 
 
 @torch.inference_mode()
-def full_logits(model: DeepseekV3ForCausalLM, tokens: list[int]) -> torch.Tensor:
+def full_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     """Cache-less forward of one sequence: fp32 logits [len, vocab]."""
     device = model.model.norm.weight.device
     meta = AttnMetadata.build([SeqChunk(0, list(tokens), 0, [])], 16, device)
@@ -74,7 +74,7 @@ class PagedRunner:
     """A minimal engine: paged KV caches, scattered block ids, chunked prefill, and batches
     that mix prefill chunks with decodes of sequences admitted earlier."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
+    def __init__(self, model: CausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
         cfg = model.config
         self.model, self.block_size = model, block_size
         self.device = model.model.norm.weight.device

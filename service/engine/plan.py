@@ -15,6 +15,9 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0]; the context after this step is start_pos + len(token_ids)
     block_table: list[int]  # KV blocks of the whole sequence, in order
     needs_logits: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    # Row of the linear-attention (KDA) state cache this sequence owns while it runs; a chunk with
+    # start_pos 0 starts from a zero state, a later one continues from what the row holds.
+    state_slot: int = 0
 
 
 @dataclass

@@ -9,6 +9,11 @@ reaches the end of the known tokens asks for logits.
 When a running sequence cannot get a block, the most recently admitted sequence not yet in
 this step's plan is preempted by RECOMPUTE: its blocks are freed and it goes back to the front
 of the waiting queue, to be prefilled again later over prompt + output so far.
+
+Each running sequence also owns one of `max_num_seqs` state slots: its row of every KDA
+layer's recurrent and conv state (a hybrid model's linear attention has one fixed-size state per
+sequence, not per token). The slot follows the blocks: taken on admission, given up on
+preemption and when the sequence finishes.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self._free_slots: deque[int] = deque(range(max_num_seqs))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is the first victim
         self.num_preemptions = 0
@@ -69,7 +75,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.status = status
 
     def has_unfinished(self) -> bool:
@@ -122,6 +128,7 @@ class Scheduler:
                 break  # strict arrival order: a later, smaller request does not jump the queue
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_new)
+            seq.state_slot = self._free_slots.popleft()  # running < max_num_seqs: one is free
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, num_new))
@@ -152,7 +159,8 @@ class Scheduler:
         if end > self.max_model_len:
             raise RuntimeError(f"seq {seq.seq_id} would pass max_model_len={self.max_model_len}")
         return SeqChunk(seq_id=seq.seq_id, token_ids=seq.tokens_slice(start, end), start_pos=start,
-                        block_table=list(seq.block_table), needs_logits=end == seq.num_tokens)
+                        block_table=list(seq.block_table), needs_logits=end == seq.num_tokens,
+                        state_slot=seq.state_slot)
 
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
         taken = {id(s) for s in exclude}
@@ -161,9 +169,15 @@ class Scheduler:
                 return seq
         raise RuntimeError("no preemptible sequence")  # unreachable: the caller itself is a candidate
 
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if seq.state_slot is not None:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = None
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

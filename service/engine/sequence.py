@@ -54,6 +54,9 @@ class Sequence:
     # Tokens whose KV is in the cache. Reset to 0 on preemption: the cache is recomputed.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Row of the linear-attention state cache while running (None while waiting); like the
+    # blocks, it is given up on preemption and the state recomputed.
+    state_slot: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     # Lives in the sequence (not the scheduler) so its state survives preemption: a recompute
     # re-derives the KV, never re-samples, so the generator advances once per output token.

@@ -11,6 +11,7 @@ context is read once as latents and never expanded.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +30,6 @@ from .layers import (
     apply_rope,
     softmax_scale,
 )
-
-# transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
-LATENT_NORM_EPS = 1e-6
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int]:
@@ -63,6 +61,9 @@ class AttnMetadata:
     # [B] long, each decode's context after this step (the Triton kernel and CUDA graphs read it;
     # None only in metadata built by hand, which must then give decode_mask).
     decode_context_lens: torch.Tensor | None = None
+    # Linear-attention (KDA) state rows, one per chunk (see SeqChunk.state_slot).
+    state_slots: torch.Tensor | None = None  # [N] long
+    state_slots_list: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -137,12 +138,16 @@ class AttnMetadata:
             decode_mask=dev(decode_mask),
             prefill_chunks=[i for i, n in enumerate(query_lens) if n > 1],
             decode_context_lens=dev(decode_ctx),
+            state_slots=dev(torch.tensor([c.state_slot for c in chunks], dtype=torch.long)),
+            state_slots_list=[c.state_slot for c in chunks],
         )
 
 
 class MLAAttention(nn.Module):
-    """Heads split across TP ranks: q_b/q_proj and kv_b column-parallel by head, o_proj
-    row-parallel with an all-reduce; the a-projections and their norms are replicated."""
+    """Heads split across TP ranks: q_b/q_proj, kv_b (and Kimi's output gate g_proj)
+    column-parallel by head, o_proj row-parallel with an all-reduce; the a-projections and their
+    norms are replicated. Kimi's MLA layers use no rotary embedding (`mla_use_nope`): the
+    qk_rope_head_dim part of q and of the shared key is then plain content."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, layer_idx: int, dtype: torch.dtype):
         super().__init__()
@@ -154,19 +159,21 @@ class MLAAttention(nn.Module):
         self.v_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
         self.qk_dim = cfg.qk_head_dim
         self.interleave = bool(cfg.rope_interleave)
+        self.use_rope = not cfg.mla_use_nope
         self.scale = softmax_scale(cfg)
         h, n = cfg.hidden_size, cfg.num_attention_heads
         self.q_lora_rank = cfg.q_lora_rank
         if cfg.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, n * self.qk_dim, tp, dtype)
         else:
             self.q_proj = ColumnParallelLinear(h, n * self.qk_dim, tp, dtype)
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, cfg.kv_cache_dim, dtype)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, n * (self.nope + self.v_dim), tp, dtype)
         self.o_proj = RowParallelLinear(n * self.v_dim, h, tp, dtype)
+        self.g_proj = ColumnParallelLinear(h, n * self.v_dim, tp, dtype) if cfg.mla_use_output_gate else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
@@ -176,10 +183,11 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(t, self.num_heads, self.qk_dim)
-        q_pe = apply_rope(q[..., self.nope:], cos, sin, self.interleave)
-        q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, self.interleave)], dim=-1)
+        if self.use_rope:
+            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], dim=-1)
+            k_pe = apply_rope(k_pe, cos, sin, self.interleave)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
         out = x.new_empty(t, self.num_heads, self.v_dim)
         qsl = meta.query_starts
@@ -205,7 +213,10 @@ class MLAAttention(nn.Module):
                 ctx = kv_cache[meta.block_tables[i, :nblocks]].view(-1, kv_cache.shape[-1])
                 ctx = ctx[: meta.context_lens_list[i]].to(x.dtype)
                 out[s:e] = self._expanded(q[s:e], ctx, meta.start_positions[i])
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        out = out.reshape(t, self.num_heads * self.v_dim)
+        if self.g_proj is not None:
+            out = out * self.g_proj(x).sigmoid()
+        return self.o_proj(out)
 
     def _expanded(self, q: torch.Tensor, latent: torch.Tensor, start: int) -> torch.Tensor:
         """q [n, heads, qk] at positions start.. attend over latent [S = start + n, kv_cache_dim]."""

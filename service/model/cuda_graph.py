@@ -73,11 +73,14 @@ def unsupported_reason(model, kv_caches: list[torch.Tensor]) -> str | None:
         return "not on CUDA"
     if model.tp.world_size != 1:
         return "TP > 1: collectives inside graphs are not validated yet"
+    if model.config.kda_layers:
+        return "KDA layers: their state rows are not in the captured inputs yet"
     has_moe = any(isinstance(layer.mlp, MoE) for layer in model.layers)
     if has_moe and not grouped_mm_fast(w):
         return f"MoE needs torch._grouped_mm's fused kernels (bf16 on sm_90/sm_100), got {w.dtype}"
-    probe = torch.empty(1, 1, kv_caches[0].shape[-1], dtype=w.dtype, device=w.device)
-    if not mla_decode.supported(probe, kv_caches[0], model.config.kv_lora_rank):
+    kv = next(c for c in kv_caches if isinstance(c, torch.Tensor))
+    probe = torch.empty(1, 1, kv.shape[-1], dtype=w.dtype, device=w.device)
+    if not mla_decode.supported(probe, kv, model.config.kv_lora_rank):
         return "the Triton MLA decode kernel does not fit (Triton missing, or latent/rope widths not powers of 2)"
     return None
 

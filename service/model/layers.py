@@ -1,5 +1,5 @@
 """Building blocks with tensor parallelism: norms, TP linears, vocab-parallel embedding and
-lm_head, the SwiGLU MLP, and DeepSeek's rotary embedding.
+lm_head, the gated MLP (SwiGLU or Kimi's SiTU), and DeepSeek's rotary embedding.
 
 Every parameter is created with `torch.empty` so the model can be built on the `meta` device;
 weights arrive later (dummy init, checkpoint or trainer). Parameters never need grads here.
@@ -8,6 +8,7 @@ weights arrive later (dummy init, checkpoint or trainer). Parameters never need 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -142,17 +143,43 @@ class ParallelLMHead(nn.Module):
         return self.tp.all_gather(logits, dim=-1)
 
 
-class SwiGLUMLP(nn.Module):
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@fused
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """Kimi's SiTU: beta*tanh(gate/beta)*sigmoid(gate), times up (soft-clipped to linear_beta when
+    set), in fp32 like vLLM's reference op: the clip is what keeps bf16 activations bounded."""
+    g, u = gate.float(), up.float()
+    g = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (g * u).to(gate.dtype)
+
+
+def act_and_mul(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The gated activation of every MLP and expert of a model (`hidden_act`)."""
+    if cfg.hidden_act == "situ":
+        beta, linear_beta = float(cfg.activation_situ_beta or 1.0), cfg.activation_situ_linear_beta
+        return lambda gate, up: situ_and_mul(gate, up, beta, linear_beta)
+    if cfg.hidden_act == "silu":
+        return silu_and_mul
+    raise ConfigError(f"hidden_act={cfg.hidden_act!r}: only 'silu' and 'situ' are supported")
+
+
+class GatedMLP(nn.Module):
     """Dense MLP and shared experts: gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, dtype)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, dtype)
+        self.act = act_and_mul(cfg)
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, intermediate_size, tp, dtype)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, intermediate_size, tp, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, tp, dtype)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), reduce=reduce)
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)), reduce=reduce)
 
 
 # ---- rotary embedding ---------------------------------------------------------------------

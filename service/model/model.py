@@ -1,7 +1,9 @@
-"""Kimi-K3-style latent-MoE causal LM, DeepSeek-V3 compatible, with tensor parallelism.
+"""The causal LM we serve, with tensor parallelism: DeepSeek-V3 with our latent MoE, or Kimi-K3
+as vLLM defines it (KDA and MLA layers, latent MoE, SiTU, attention residuals).
 
-Parameter names are Hugging Face DeepSeek-V3 names, except routed experts, which are held
-fused per layer (`mlp.experts.w1/w3/w2`); `service.weights` maps between the two.
+Parameter names follow the checkpoint's, except routed experts, which are held fused per layer
+(`mlp.experts.w1/w3/w2`) and Kimi's `block_sparse_moe`, held as `mlp`; `service.weights` maps
+between the two.
 """
 
 from __future__ import annotations
@@ -11,11 +13,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
 from .attention import AttnMetadata, MLAAttention
-from .layers import ParallelLMHead, RMSNorm, RotaryEmbedding, SwiGLUMLP, VocabParallelEmbedding
+from .attn_res import attn_res_mix
+from .layers import (
+    GatedMLP,
+    ParallelLMHead,
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+)
 from .moe import MoE
 
 
@@ -24,24 +34,58 @@ class DecoderLayer(nn.Module):
                  tail: TailRunner | None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = MLAAttention(cfg, tp, layer_idx, dtype)
+        self.is_kda = cfg.is_kda_layer(layer_idx)
+        if self.is_kda:
+            from .kda import KimiDeltaAttention
+
+            self.self_attn = KimiDeltaAttention(cfg, tp, layer_idx, dtype)
+        else:
+            self.self_attn = MLAAttention(cfg, tp, layer_idx, dtype)
         if cfg.is_moe_layer(layer_idx):
             self.mlp = MoE(cfg, tp, layer_idx, dtype, tail)
         else:
-            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype)
+            self.mlp = GatedMLP(cfg, cfg.intermediate_size, tp, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.attn_res_block_size is not None:
+            bs, h = cfg.attn_res_block_size, cfg.hidden_size
+            # Layers 0, bs, 2bs, ... close the running block: its sum joins the bank as a source.
+            self.block_write = layer_idx // bs if layer_idx % bs == 0 else -1
+            self.prev_blocks = -(-layer_idx // bs)
+            self.self_attention_res_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.self_attention_res_proj = ReplicatedLinear(h, 1, dtype)
+            self.mlp_res_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.mlp_res_proj = ReplicatedLinear(h, 1, dtype)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                kv_cache: torch.Tensor | None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
+    def attend(self, x: torch.Tensor, rope: tuple, meta: AttnMetadata, cache) -> torch.Tensor:
+        if self.is_kda:
+            return self.self_attn(x, meta, cache)
+        return self.self_attn(x, *rope, meta, cache)
+
+    def forward(self, h: torch.Tensor, rope: tuple, meta: AttnMetadata, cache) -> torch.Tensor:
+        h = h + self.attend(self.input_layernorm(h), rope, meta, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_attn_res(self, prefix: torch.Tensor, delta: torch.Tensor | None, bank: torch.Tensor,
+                         rope: tuple, meta: AttnMetadata, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention residuals: each sublayer's input is a learned softmax mix of the bank's block
+        sums and the running block sum `prefix` (plus `delta`, the last sublayer's output, not yet
+        added). Returns (prefix, delta) for the next layer."""
+        prefix, x = attn_res_mix(prefix, delta, bank, self.prev_blocks, self.self_attention_res_norm,
+                                 self.self_attention_res_proj, self.input_layernorm, write_block=self.block_write)
+        a = self.attend(x, rope, meta, cache)
+        if self.block_write >= 0:  # a new block starts with this attention output
+            prefix, a = a, None
+        prefix, x = attn_res_mix(prefix, a, bank, self.prev_blocks + (self.block_write >= 0), self.mlp_res_norm,
+                                 self.mlp_res_proj, self.post_attention_layernorm)
+        return prefix, self.mlp(x)
 
-class DeepseekV3Model(nn.Module):
+
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype,
                  tail_factory: Callable[[int], TailRunner] | None):
         super().__init__()
+        self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, i, dtype,
@@ -49,25 +93,41 @@ class DeepseekV3Model(nn.Module):
                          else None)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(cfg)
+        # Kimi's MLA layers are NoPE and its KDA layers have no positions: no rope table then.
+        self.rotary_emb = None if cfg.mla_use_nope else RotaryEmbedding(cfg)
+        self.attn_res = cfg.attn_res_block_size is not None
+        if self.attn_res:
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.output_attn_res_proj = ReplicatedLinear(cfg.hidden_size, 1, dtype)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata,
-                kv_caches: list[torch.Tensor] | None) -> torch.Tensor:
-        if meta.max_position >= self.rotary_emb.max_positions:
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, caches: list | None) -> torch.Tensor:
+        cfg = self.config
+        if meta.max_position >= cfg.max_position_embeddings:
             raise ValueError(f"position {meta.max_position} is beyond max_position_embeddings="
-                             f"{self.rotary_emb.max_positions}")
-        if kv_caches is not None and len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        cos, sin = self.rotary_emb.lookup(meta.positions)
+                             f"{cfg.max_position_embeddings}")
+        if caches is not None and len(caches) != len(self.layers):
+            raise ValueError(f"got {len(caches)} caches for {len(self.layers)} layers")
+        rope = self.rotary_emb.lookup(meta.positions) if self.rotary_emb is not None else (None, None)
         h = self.embed_tokens(input_ids)
+        cache = (lambda i: caches[i]) if caches is not None else (lambda i: None)
+        if not self.attn_res:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, meta, cache(i))
+            return self.norm(h)
+        bs = cfg.attn_res_block_size
+        num_blocks = -(-cfg.num_hidden_layers // bs)
+        bank = h.new_empty(h.shape[0], num_blocks, h.shape[1])
+        prefix, delta = h, None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, kv_caches[i] if kv_caches is not None else None)
+            prefix, delta = layer.forward_attn_res(prefix, delta, bank, rope, meta, cache(i))
+        _, h = attn_res_mix(prefix, delta, bank, num_blocks, self.output_attn_res_norm, self.output_attn_res_proj, None)
         return self.norm(h)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    """`model(input_ids [T], meta, kv_caches) -> hidden [T, H]`; `compute_logits(hidden [B, H])`
-    -> fp32 logits [B, vocab], full vocab on every rank.
+class CausalLM(nn.Module):
+    """`model(input_ids [T], meta, caches) -> hidden [T, H]`; `compute_logits(hidden [B, H])`
+    -> fp32 logits [B, vocab], full vocab on every rank. `caches[i]` is layer i's paged MLA KV
+    cache or its KDA state (`kda.KDAState`); None runs cache-less (every chunk from position 0).
 
     `dtype` defaults to torch's default dtype; building with the serving dtype avoids a
     `.to(dtype)` pass (which also works: fp32-only tensors stay fp32).
@@ -77,12 +137,10 @@ class DeepseekV3ForCausalLM(nn.Module):
                  dtype: torch.dtype | None = None):
         super().__init__()
         cfg.validate(tp.world_size)
-        if cfg.hidden_act != "silu":
-            raise ConfigError(f"hidden_act={cfg.hidden_act!r}: only 'silu' is supported")
         dtype = dtype or torch.get_default_dtype()
         self.config = cfg
         self.tp = tp
-        self.model = DeepseekV3Model(cfg, tp, dtype, tail_factory)
+        self.model = DecoderModel(cfg, tp, dtype, tail_factory)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied_to=tied)
 
@@ -94,8 +152,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata,
-                kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, kv_caches: list | None = None) -> torch.Tensor:
         return self.model(input_ids, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

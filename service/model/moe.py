@@ -16,12 +16,12 @@ from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
 from .fusion import fused
-from .layers import KeepFloat32, ReplicatedLinear, RMSNorm, SwiGLUMLP, frozen
+from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, frozen
 
 
 class TopkRouter(KeepFloat32, nn.Module):
-    """Sigmoid scores in fp32; experts chosen on score + bias (group-limited when n_group > 1);
-    weights are the unbiased scores of the chosen experts."""
+    """Sigmoid (or softmax) scores in fp32; experts chosen on score + bias (group-limited when
+    n_group > 1); weights are the unbiased scores of the chosen experts."""
 
     fp32_tensors = ("e_score_correction_bias",)
 
@@ -31,6 +31,7 @@ class TopkRouter(KeepFloat32, nn.Module):
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
+        self.softmax = cfg.scoring_func == "softmax"
         self.weight = frozen(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
         # A weight trainers update (load balancing), hence a parameter, not a buffer.
         self.e_score_correction_bias = frozen(cfg.n_routed_experts, dtype=torch.float32)
@@ -38,12 +39,14 @@ class TopkRouter(KeepFloat32, nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (weights [M, k] fp32, expert ids [M, k])."""
         return route(x, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k,
-                     self.norm_topk_prob, self.scaling)
+                     self.norm_topk_prob, self.scaling, self.softmax)
 
 
 @fused
-def route(x, weight, bias, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float):
-    scores = F.linear(x.float(), weight.float()).sigmoid()
+def route(x, weight, bias, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float,
+          softmax: bool = False):
+    logits = F.linear(x.float(), weight.float())
+    scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
     choice = scores + bias
     if n_group > 1:
         m, e = choice.shape
@@ -71,9 +74,11 @@ class FusedExperts(nn.Module):
     """All routed experts of a layer in three tensors, this rank's intermediate shard:
     w1 (gate) [E, I/tp, W], w3 (up) [E, I/tp, W], w2 (down) [E, W, I/tp]."""
 
-    def __init__(self, num_experts: int, width: int, intermediate: int, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, width: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
-        shard = intermediate // tp.world_size
+        num_experts = cfg.n_routed_experts
+        shard = cfg.moe_intermediate_size // tp.world_size
+        self.act = act_and_mul(cfg)
         self.num_experts = num_experts
         self.w1 = frozen(num_experts, shard, width, dtype=dtype)
         self.w3 = frozen(num_experts, shard, width, dtype=dtype)
@@ -95,8 +100,8 @@ class FusedExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group; empty groups allowed
         xs = x.index_select(0, order // k)
-        h = F.silu(torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
-            xs, self.w3.transpose(1, 2), offs=offs)
+        h = self.act(torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs),
+                     torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs))
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs).float()
         y = y * weights.flatten().index_select(0, order).unsqueeze(1)
         # Back to (token, slot) order, then a fixed-order sum over the k slots.
@@ -118,7 +123,7 @@ class FusedExperts(nn.Module):
         for e, start, n in zip(*plan):
             tok = tokens[start:start + n]
             xe = x[tok]
-            h = F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e])
+            h = self.act(F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e]))
             y = F.linear(h, self.w2[e]).float() * token_weights[start:start + n, None]
             out.index_add_(0, tok, y)
         return out.to(x.dtype)
@@ -135,8 +140,8 @@ class MoE(nn.Module):
         h = cfg.hidden_size
         width = cfg.moe_latent_size or h
         self.gate = TopkRouter(cfg, dtype)
-        self.experts = FusedExperts(cfg.n_routed_experts, width, cfg.moe_intermediate_size, tp, dtype)
-        self.shared_experts = (SwiGLUMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, tp, dtype)
+        self.experts = FusedExperts(cfg, width, tp, dtype)
+        self.shared_experts = (GatedMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, tp, dtype)
                                if cfg.n_shared_experts else None)
         self.tail = None
         if self.latent:

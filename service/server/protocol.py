@@ -117,6 +117,10 @@ class CompletionRequest(_SamplingFields):
         return _build(self._common(), max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 
+# OpenAI and vLLM spellings of image, video and audio parts.
+_MEDIA_PARTS = ("image_url", "input_image", "image", "image_embeds", "video_url", "video", "input_audio", "audio_url")
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -127,6 +131,9 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
+            if part.get("type") in _MEDIA_PARTS:
+                raise APIError(400, f"{part.get('type')!r} content is not supported: this service serves the text "
+                               "model only (Kimi-K3's vision tower is not loaded)", param="messages")
             if part.get("type") != "text":
                 raise APIError(422, f"only text content parts are supported, got {part.get('type')!r}",
                                param="messages")

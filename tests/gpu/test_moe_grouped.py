@@ -6,9 +6,12 @@ permutation, offsets and un-permutation logic runs through torch's CPU grouped G
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from service.config import PRESETS
 from service.model.moe import FusedExperts, grouped_mm_fast
 from service.parallel import TPGroup
 
@@ -18,7 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def experts(num: int, width: int, inter: int, dtype, seed: int) -> FusedExperts:
     g = torch.Generator().manual_seed(seed)
-    ex = FusedExperts(num, width, inter, TPGroup.single(), dtype)
+    cfg = dataclasses.replace(PRESETS["tiny"], n_routed_experts=num, moe_intermediate_size=inter)
+    ex = FusedExperts(cfg, width, TPGroup.single(), dtype)
     with torch.no_grad():
         for p in ex.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * width ** -0.5)
