@@ -12,7 +12,7 @@ from .sampling_params import InvalidRequest
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="preset (tiny, tiny-dense-moe, small, k3) or checkpoint dir")
+    p.add_argument("--model", default="tiny", help="preset (tiny, tiny-dense-moe, small, k3-tiny, k3) or checkpoint dir (DeepSeek-V3, Kimi-Linear or Kimi-K3 layout)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")

@@ -71,16 +71,30 @@ def assert_same_greedy(ref: list[list[int]], ref_margins: list[list[float]], our
 
 
 class PagedRunner:
-    """A minimal engine: paged KV caches, scattered block ids, chunked prefill, and batches
-    that mix prefill chunks with decodes of sequences admitted earlier."""
+    """A minimal engine: paged KV caches (and KDA state rows, NaN-filled like the KV, so a row a
+    fresh sequence reads before writing shows up), scattered block ids, chunked prefill, and
+    batches that mix prefill chunks with decodes of sequences admitted earlier. Sequence i owns
+    state row i + 1, so row 0 is never one's."""
 
-    def __init__(self, model: CausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
+    def __init__(self, model: CausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0,
+                 state_rows: int = 32):
         cfg = model.config
         self.model, self.block_size = model, block_size
         self.device = model.model.norm.weight.device
-        self.caches = [torch.full((num_blocks, block_size, cfg.kv_cache_dim), float("nan"), dtype=model.dtype,
-                                  device=self.device)
-                       for _ in range(cfg.num_hidden_layers)]
+
+        def nan(*shape, dtype=None):
+            return torch.full(shape, float("nan"), dtype=dtype or model.dtype, device=self.device)
+
+        self.caches = []
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_kda_layer(i):
+                from service.model.kda import KDAState, kda_state_shapes
+
+                rows = {k: nan(state_rows, *shape, dtype=dt) for k, (shape, dt) in
+                        kda_state_shapes(cfg, model.tp.world_size).items()}
+                self.caches.append(KDAState(**rows))
+            else:
+                self.caches.append(nan(num_blocks, block_size, cfg.kv_cache_dim))
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # block tables are not the identity
 
@@ -110,7 +124,8 @@ class PagedRunner:
                 while len(tables[i]) * self.block_size < end:
                     tables[i].append(self.free.pop())
                 last = end == len(seqs[i])
-                chunks.append(SeqChunk(i, seqs[i][computed[i]:end], computed[i], list(tables[i]), needs_logits=last))
+                chunks.append(SeqChunk(i, seqs[i][computed[i]:end], computed[i], list(tables[i]), needs_logits=last,
+                                       state_slot=i + 1))
                 if last:
                     owners.append(i)
                 computed[i] = end

@@ -143,6 +143,10 @@ def test_error_statuses_and_bodies(oai, server):
         oai.completions.create(model="other", prompt="x")
     with pytest.raises(openai.BadRequestError, match="role"):
         oai.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="vision tower is not loaded"):
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, image]}])
     body = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "n": 0}).json()
     assert set(body["error"]) == {"message", "type", "param", "code"} and "n must be" in body["error"]["message"]
 

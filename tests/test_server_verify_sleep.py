@@ -1,4 +1,6 @@
-"""Acceptance: `latentserve verify-sleep --tp 8` (the seed's plan through HTTP) passes on CPU."""
+"""Acceptance: `latentserve verify-sleep --model k3-tiny --tp 8` (the seed's plan through HTTP, on
+Kimi-K3 as the seed runs it: KDA and MLA layers, latent MoE, 4 layers) passes on CPU. CI's one
+TP-8 end-to-end run."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from service.server.launch import REPO
 
 def test_verify_sleep_tp8_prints_the_seed_table_all_green():
     env = {k: v for k, v in os.environ.items() if k != "LATENTSERVE_ADMIN_KEY"}
-    r = subprocess.run([sys.executable, "-m", "service.cli", "verify-sleep", "--tp", "8", "--tail-deadline-s", "5"],
+    r = subprocess.run([sys.executable, "-m", "service.cli", "verify-sleep", "--model", "k3-tiny", "--tp", "8",
+                        "--tail-deadline-s", "5"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     out = r.stdout
     print(out)

@@ -30,16 +30,20 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 TP = 2
+# Widths the Triton MLA decode kernel takes (powers of two), larger weights so greedy is not flat.
 OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                  initializer_range=0.1, num_hidden_layers=4)
+# The seed's model: Kimi-K3 (KDA layers through the fla kernels, MLA, latent MoE, attention residuals).
+MODELS = ["tiny", "k3-tiny"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 KW = dict(tensor_parallel_size=TP, dtype="bfloat16", device="cuda", hf_overrides=OVERRIDES,
           distributed_executor_backend="mp", enable_sleep_mode=True, sleep_preserve_parameter_names=["*"],
           fused_tail="on")
 
 
-def test_seed_plan_tp2_on_one_gpu():
-    with LLM("tiny", **KW) as llm:
+@pytest.mark.parametrize("model", MODELS)
+def test_seed_plan_tp2_on_one_gpu(model):
+    with LLM(model, **KW) as llm:
         t0 = time.perf_counter()
         greedy_tokens(llm, plan_prompts(), GREEDY)
         print(f"\nTP 2 on one GPU: 16 prompts x 32 tokens in {time.perf_counter() - t0:.2f}s")
@@ -50,8 +54,9 @@ def test_seed_plan_tp2_on_one_gpu():
     assert identical_counts(runs) == {name: 16 for name in ("repeat", "after L1", "after L2 #1", "after L2 #2")}
 
 
-def test_negative_control_zeroed_flags_fails_fast():
+@pytest.mark.parametrize("model", MODELS)
+def test_negative_control_zeroed_flags_fails_fast(model):
     deadline = 3.0
-    with LLM("tiny", tail_deadline_s=deadline, **KW) as llm:
+    with LLM(model, tail_deadline_s=deadline, **KW) as llm:
         errors, elapsed = negative_control(llm, plan_prompts(), GREEDY)
     check_control(errors, elapsed, deadline)

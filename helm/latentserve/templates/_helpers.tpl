@@ -89,7 +89,7 @@ The --model argument: a preset name, or an absolute path inside the mounted mode
 Keep the preset list equal to service/config.py PRESETS (tests/test_helm_chart.py checks).
 */}}
 {{- define "latentserve.presets" -}}
-{{- list "tiny" "tiny-dense-moe" "small" "k3" | toJson -}}
+{{- list "tiny" "tiny-dense-moe" "small" "k3-tiny" "k3" | toJson -}}
 {{- end -}}
 
 {{- define "latentserve.modelArg" -}}
