@@ -344,15 +344,7 @@ def assert_matches_reference(label: str, cfg: ModelConfig, ours: list[torch.Tens
     return worst
 
 
-# Our model runs a weightless RMSNorm on the latent sum when latent_moe_use_norm is false (the
-# DeepSeek-latent design); vLLM's Kimi runs none: routed_expert_norm = None unless
-# latent_moe_use_norm (models/kimi_k3/amd/linear.py:280-284, nvidia/model.py the same) and
-# KimiRoutedOutputTransform skips a None norm (amd/linear.py:148-152).
-NO_LATENT_NORM_BUG = pytest.mark.xfail(
-    strict=True, reason="model normalises the latent MoE output although latent_moe_use_norm is false; "
-                        "vLLM applies no norm then (amd/linear.py:280-284, 148-152)")
-MODEL_CASES = [pytest.param(name, marks=() if CONFIGS[name].latent_moe_use_norm else NO_LATENT_NORM_BUG)
-               for name in sorted(CONFIGS)]
+MODEL_CASES = sorted(CONFIGS)
 
 
 @pytest.mark.parametrize("name", MODEL_CASES)

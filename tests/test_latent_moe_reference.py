@@ -80,9 +80,11 @@ def ref_swiglu(x, gate, up, down):
     return (a * torch.sigmoid(a) * (x @ up.T)) @ down.T
 
 
-def ref_rmsnorm(x, weight, eps):
-    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
-    return y * weight if weight is not None else y
+def ref_latent_norm(x, weight, eps):
+    """routed_expert_norm; none at all without latent_moe_use_norm (vLLM's Kimi-K3)."""
+    if weight is None:
+        return x
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
 
 
 def reference_moe(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,7 @@ def reference_moe(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
                                     w[e + "down_proj.weight"])
     if cfg.is_latent:
         norm = w.get(p + "routed_expert_norm.weight")
-        routed = ref_rmsnorm(u, norm, cfg.rms_norm_eps) @ w[p + "routed_expert_up_proj.weight"].T
+        routed = ref_latent_norm(u, norm, cfg.rms_norm_eps) @ w[p + "routed_expert_up_proj.weight"].T
     else:
         routed = u
     shared = ref_swiglu(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],

@@ -308,7 +308,7 @@ def test_stale_segment_recreated_and_names_unlinked_once_mapped():
     bases = [c.peer_ptrs[:, 0].tolist() for c in colls]
     assert bases[0] != bases[1]  # each rank has its own mapping of both segments
     colls.sort(key=lambda c: c.rank)
-    up, norm = torch.eye(8), None
+    up, norm = torch.eye(8), torch.ones(8)
     x = [torch.arange(8.0).view(1, 8) + r for r in range(2)]
     outs = [None, None]
 

@@ -27,25 +27,29 @@ class FusedTailCollective(Protocol):
 
     def fused_tail(self, routed_partial: torch.Tensor, shared_partial: torch.Tensor,
                    norm_weight: torch.Tensor | None, up_weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """routed_partial [M, L], shared_partial [M, H] (un-reduced partials); up_weight [H, L] (full,
-        replicated); returns out [M, H], bit-identical on every rank."""
+        """routed_partial [M, L], shared_partial [M, H] (un-reduced partials); norm_weight [L] or None
+        (no latent norm); up_weight [H, L] (full, replicated); returns out [M, H], bit-identical
+        on every rank."""
 
     def epoch(self) -> int: ...
 
 
 @fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def latent_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`routed_expert_norm` of the reduced latent; a model without one (latent_moe_use_norm false)
+    up-projects the sum as it is, as vLLM's Kimi-K3 does."""
+    return x if weight is None else rms_norm(x, weight, eps)
 
 
 def unfused_tail(tp: TPGroup, routed_partial: torch.Tensor, shared_partial: torch.Tensor,
                  norm_weight: torch.Tensor | None, up_weight: torch.Tensor, eps: float) -> torch.Tensor:
     routed = tp.all_reduce(routed_partial.contiguous())
-    latent = rms_norm(routed, norm_weight, eps)
+    latent = latent_norm(routed, norm_weight, eps)
     out = latent @ up_weight.t()
     return out + tp.all_reduce(shared_partial.contiguous())
 
@@ -76,10 +80,15 @@ class TailRunner:
     def __call__(self, routed_partial: torch.Tensor, shared_partial: torch.Tensor,
                  norm_weight: torch.Tensor | None, up_weight: torch.Tensor, eps: float) -> torch.Tensor:
         m = routed_partial.shape[0]
+        # Counted in eager calls only: a count read inside torch.compile would be a guard that
+        # changes on every call (a recompile each time).
+        count = not torch.compiler.is_compiling()
         if self.fused and m <= self.collective.max_tokens:
-            self.fused_calls += 1
+            if count:
+                self.fused_calls += 1
             return self.collective.fused_tail(routed_partial, shared_partial, norm_weight, up_weight, eps)
-        self.unfused_calls += 1
+        if count:
+            self.unfused_calls += 1
         return unfused_tail(self.tp, routed_partial, shared_partial, norm_weight, up_weight, eps)
 
     def state(self, live: bool = True) -> dict:

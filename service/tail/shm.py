@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from .base import rms_norm
+from .base import latent_norm
 from .protocol import (
     BTC,
     CUR,
@@ -207,7 +207,7 @@ class ShmTailCollective:
         self._push(boxes, ROUTED, rflags, m, lambda p: routed_partial)
         self._push(boxes, SHARED, sflags, m, lambda p: shared_partial[:, p * hs:(p + 1) * hs])
         routed = self._wait_reduce(boxes[r][ROUTED], ROUTED, rflags, m)
-        latent = rms_norm(routed, norm_weight, eps).to(self.dtype)
+        latent = latent_norm(routed, norm_weight, eps).to(self.dtype)
         shared = self._wait_reduce(boxes[r][SHARED], SHARED, sflags, m)
         w_shard = up_weight[r * hs:(r + 1) * hs]
         out_shard = torch.matmul(latent, w_shard.t()).float().add_(shared).to(self.dtype)

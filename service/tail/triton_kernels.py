@@ -159,7 +159,7 @@ def collect_kernel(out, out_stride, norm_w, table, flags, err, rank, eps, deadli
                    TP_P2: tl.constexpr, PTR_COLS: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr,
                    HAS_NORM: tl.constexpr, BLOCK_W: tl.constexpr, USE_PTX: tl.constexpr):
     """Program = one row of this rank's mailbox[cur]: wait for every sender, then
-    MODE 0: sum in rank order (fp32) and RMSNorm -> out row; MODE 1: sum -> fp32 out row;
+    MODE 0: sum in rank order (fp32) and RMSNorm (when HAS_NORM) -> out row; MODE 1: sum -> fp32 out row;
     MODE 2: copy sender s's row to out[row, s*WIDTH:(s+1)*WIDTH] (the all-gather)."""
     row = tl.program_id(0)
     cur = tl.load(flags + 0) % 3
@@ -202,8 +202,9 @@ def collect_kernel(out, out_stride, norm_w, table, flags, err, rank, eps, deadli
     if missing != 0:
         _fail(err, 3, EX, cur, epoch, rank, missing)
     if MODE == 0:
-        y = acc * tl.rsqrt(tl.sum(acc * acc, axis=0) / WIDTH + eps)
-        if HAS_NORM:
+        y = acc
+        if HAS_NORM:  # no routed_expert_norm: the latent sum is up-projected as it is
+            y = acc * tl.rsqrt(tl.sum(acc * acc, axis=0) / WIDTH + eps)
             y = y * tl.load(norm_w + cols, mask=in_row, other=0.0).to(tl.float32)
         tl.store(out + row * out_stride + cols, y, mask=in_row)
     elif MODE == 1:
