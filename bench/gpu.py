@@ -4,10 +4,14 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
     python3 bench/gpu.py --commit $(git rev-parse --short HEAD) [--json out.json]
 
 - decode: `small` with 24 layers (8.2 GB of bf16 weights, latent MoE), KV contexts of
-  --context tokens, batches 1/8/64, through the engine's CUDA graphs (`DecodeGraphs.run`: host
-  packing + one copy + replay) and eagerly. Floor = bytes a step must read (every weight but
-  the embedding table, of the routed experts only those the step's tokens chose, plus the KV
-  contexts) over the device copy bandwidth measured here (bytes read + written per second).
+  --context tokens, batches 1/8/64/256, through the engine's CUDA graphs (`DecodeGraphs.run`:
+  host packing + one copy + replay) and eagerly. Floor = bytes a step must read (every weight
+  but the embedding table, of the routed experts only those the step's tokens chose, plus the
+  KV contexts) over the device copy bandwidth measured here (bytes read + written per second).
+  The same model is built three times in the run: decoder layers compiled inside the graphs
+  (the default), only the elementwise chains compiled (LATENTSERVE_COMPILE=chains, the path
+  before) and nothing compiled (LATENTSERVE_COMPILE=0); kernels per layer are counted by the
+  profiler over one graph replay of each.
 - throughput: `small` with the latent MoE off (plain DeepSeek-V3, 7.4 GB), the same weights in
   our engine and in transformers' DeepseekV3ForCausalLM, batch 16, greedy; decode tokens/s by
   the protocol of scripts/anchors/decode_bench.py (full run minus a prefill-only run).
@@ -156,42 +160,76 @@ def profile_eager_step(worker, chunks, device: str, top: int = 12) -> str:
 
 
 def decode_llm(args, **kw) -> LLM:
-    """The decode bench's engine, with real numbers in every KV slot a context reads."""
-    llm = make_llm(args.device, MID, args.preset, max_num_seqs=64, kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
+    """The decode bench's engine, with real numbers in every KV slot a context reads; graphs
+    captured at exactly the benched batch sizes."""
+    t0 = time.perf_counter()
+    llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
+                   cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
+    RESULTS.setdefault("engine_up_s", {})[os.environ.get("LATENTSERVE_COMPILE", "1")] = time.perf_counter() - t0
     with torch.no_grad():
         for kv in llm.executor.rank0.kv_caches:
             kv.normal_()
     return llm
 
 
-def uncompiled_graph_ms(args) -> dict[int, float]:
-    """Decode graph step ms per batch of the same model built with LATENTSERVE_COMPILE=0: the
-    baseline for what the torch.compile'd elementwise chains (service/model/fusion.py) buy."""
-    os.environ["LATENTSERVE_COMPILE"] = "0"
+def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
+    """Kernels of one replay of the batch's graph, counted by the profiler (CUPTI records the
+    kernels a graph launches), and their device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = graphs.graphs[graphs.batch_for(batch)]
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernel_us = sum(e.time_range.elapsed_us() for e in events)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=70)
+    return {"batch": batch, "kernels": len(events), "kernels_per_layer": len(events) / layers,
+            "device_ms": kernel_us / 1e3, "table": table}
+
+
+def mode_graph_ms(args, mode: str) -> dict:
+    """Decode graph step ms per batch, and replay profiles, of the same model built with
+    LATENTSERVE_COMPILE=mode (0: nothing compiled; chains: the elementwise chains only)."""
+    os.environ["LATENTSERVE_COMPILE"] = mode
     try:
         llm = decode_llm(args)
-        worker, out = llm.executor.rank0, {}
+        worker, ms, profiles = llm.executor.rank0, {}, []
+        layers = len(worker.model.layers)
         for batch in args.batches:
             plan = StepPlan(decode_chunks(batch, args.context, llm.config.block_size))
             with torch.inference_mode():
                 worker.execute(plan)
-                out[batch] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+                ms[batch] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+                if batch in args.profile_batches and worker.decode_graphs is not None:
+                    profiles.append(profile_replay(worker.decode_graphs, batch, layers))
         llm.shutdown()
         del llm, worker
         torch.cuda.empty_cache()
     finally:
         del os.environ["LATENTSERVE_COMPILE"]
-    log(f"decode without compiled fusion (graph ms): {out}")
-    return out
+    log(f"decode with LATENTSERVE_COMPILE={mode} (graph ms): {ms}; kernels per layer: "
+        f"{ {p['batch']: round(p['kernels_per_layer'], 1) for p in profiles} }")
+    return {"ms": ms, "profiles": profiles}
 
 
 def bench_decode(args, bw: float) -> LLM:
-    base = uncompiled_graph_ms(args)
-    llm = decode_llm(args, enable_sleep_mode=True)
+    base = mode_graph_ms(args, "0")
+    chains = mode_graph_ms(args, "chains")
+    RESULTS["baselines"] = {"0": base, "chains": chains}
+    import torch._dynamo.utils as dynamo_utils
+
+    llm = decode_llm(args, enable_sleep_mode="sleep" not in args.skip)
     worker = llm.executor.rank0
     graphs = worker.decode_graphs
-    log(f"decode graphs: {graphs.stats() if graphs else 'off'}")
+    stats = graphs.stats() if graphs else "off"
+    RESULTS["graph_stats"] = stats
+    RESULTS["dynamo"] = {k: dict(v) for k, v in dynamo_utils.counters.items() if k in ("stats", "graph_break")}
+    log(f"decode graphs: {stats}; dynamo: {RESULTS['dynamo']}")
     bs = llm.config.block_size
+    layers = len(worker.model.layers)
     rows = []
     for batch in args.batches:
         chunks = decode_chunks(batch, args.context, bs)
@@ -205,8 +243,21 @@ def bench_decode(args, bw: float) -> LLM:
             if graphs is not None:
                 b = graphs.batch_for(batch)
                 row["graph_ms"] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
-                row["uncompiled_graph_ms"] = base.get(batch, float("nan"))
+                row["uncompiled_graph_ms"] = base["ms"].get(batch, float("nan"))
+                row["chains_graph_ms"] = chains["ms"].get(batch, float("nan"))
                 row["replay_ms"] = timed(graphs.graphs[b].replay, args.device, args.iters) * 1e3
+                if batch in args.profile_batches:
+                    prof = profile_replay(graphs, batch, layers)
+                    row["kernels_per_layer"] = prof["kernels_per_layer"]
+                    row["replay_device_ms"] = prof["device_ms"]
+                    for name, other in (("chains", chains), ("uncompiled", base)):
+                        for p in other["profiles"]:
+                            if p["batch"] == batch:
+                                row[f"{name}_kernels_per_layer"] = p["kernels_per_layer"]
+                    RESULTS.setdefault("replay_profiles", []).append(prof)
+                    print(f"graph replay, batch {batch}: {prof['kernels']} kernels "
+                          f"({prof['kernels_per_layer']:.1f} per layer), {prof['device_ms']:.2f} ms of device "
+                          f"time\n{prof['table']}", flush=True)
             graphs_saved, worker.decode_graphs = worker.decode_graphs, None
             try:
                 row["eager_ms"] = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
@@ -217,10 +268,13 @@ def bench_decode(args, bw: float) -> LLM:
         rows.append(row)
         log(f"decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
     RESULTS["decode"] = rows
-    for batch in args.profile_batches:
+    for batch in args.eager_profile_batches:
         prof = profile_eager_step(worker, decode_chunks(batch, args.context, bs), args.device)
         RESULTS.setdefault("profiles", []).append(prof)
         print(prof, flush=True)
+    for other in (base, chains):
+        for p in other["profiles"]:
+            RESULTS.setdefault("baseline_profiles", []).append(p)
     return llm
 
 
@@ -359,15 +413,22 @@ def print_table(args, bw: float) -> None:
     print(f"GPU serving bench, {RESULTS['device']}, torch {torch.__version__}, commit {args.commit}, "
           f"{time.strftime('%Y-%m-%d')}")
     print(f"device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
-    print(f"{'decode (ctx ' + str(args.context) + ')':24s} {'floor ms':>9s} {'graph ms':>9s} {'replay ms':>10s} "
-          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'all-weights floor ms':>21s} "
-          f"{'no-compile graph ms':>20s} {'compile speedup':>16s}")
+    stats = RESULTS.get("graph_stats")
+    compiled = stats.get("compiled_layers") if isinstance(stats, dict) else "graphs off"
+    up = {k: round(v, 1) for k, v in RESULTS.get("engine_up_s", {}).items()}
+    print(f"decode graphs: compiled layers {compiled}; engine up (s) by LATENTSERVE_COMPILE: {up}")
+    print(f"{'decode (ctx ' + str(args.context) + ')':16s} {'floor ms':>9s} {'graph ms':>9s} {'replay ms':>10s} "
+          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'chains ms':>10s} {'vs chains':>10s} "
+          f"{'no-compile ms':>14s} {'vs none':>8s} {'k/layer':>8s} {'chains k/l':>11s} {'none k/l':>9s}")
     nan = float("nan")
     for r in RESULTS.get("decode", []):
-        print(f"{'batch ' + str(r['batch']):24s} {r['floor_ms']:9.3f} {r.get('graph_ms', nan):9.3f} "
-              f"{r.get('replay_ms', nan):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.2f} "
-              f"{r['bytes'] / 1e9:8.2f} {r['all_weights_floor_ms']:21.3f} {r.get('uncompiled_graph_ms', nan):20.3f} "
-              f"{r.get('uncompiled_graph_ms', nan) / r.get('graph_ms', nan):16.2f}")
+        g = r.get("graph_ms", nan)
+        print(f"{'batch ' + str(r['batch']):16s} {r['floor_ms']:9.3f} {g:9.3f} "
+              f"{r.get('replay_ms', nan):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.3f} "
+              f"{r['bytes'] / 1e9:8.2f} {r.get('chains_graph_ms', nan):10.3f} {r.get('chains_graph_ms', nan) / g:10.2f} "
+              f"{r.get('uncompiled_graph_ms', nan):14.3f} {r.get('uncompiled_graph_ms', nan) / g:8.2f} "
+              f"{r.get('kernels_per_layer', nan):8.1f} {r.get('chains_kernels_per_layer', nan):11.1f} "
+              f"{r.get('uncompiled_kernels_per_layer', nan):9.1f}")
     v = RESULTS.get("vs_transformers")
     if v:
         print(f"batch {args.hf_batch} decode tok/s: ours {v['ours']['decode_tokens_per_s']:.0f}, transformers "
@@ -401,10 +462,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--batches", default="1,8,64", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--profile-batches", default="1,64", type=lambda s: [int(x) for x in s.split(",") if x])
+    ap.add_argument("--batches", default="1,8,64,256", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--profile-batches", default="1,8,64,256", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="graph replays profiled (kernels per layer), in every compile mode")
+    ap.add_argument("--eager-profile-batches", default="", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="eager steps profiled (the compiled layers are not used there)")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--kv-gib", type=int, default=4)
+    ap.add_argument("--kv-gib", type=int, default=8, help="KV cache; batch 256 at context 1024 needs 7.4 GB")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)

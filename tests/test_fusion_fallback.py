@@ -53,3 +53,59 @@ def test_cpu_and_switch_off_stay_eager(monkeypatch):
     assert f(torch.zeros(1)) == "eager"
     monkeypatch.setenv("LATENTSERVE_COMPILE", "0")
     assert f(FakeCuda()) == "eager"
+
+
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return ("eager", x * 2)
+
+
+def test_compiled_forward_falls_back_once_and_errors_propagate(monkeypatch):
+    state = {"compiled": 0, "mode": "compiler"}
+
+    def fake_compile(fn, **kw):
+        assert kw.get("dynamic") is True
+
+        def run(module, *args):
+            state["compiled"] += 1
+            if state["mode"] == "compiler":
+                raise dynamo_exc.FailOnRecompileLimitHit("limit")
+            if state["mode"] == "runtime":
+                raise RuntimeError("CUDA out of memory")
+            return ("compiled", fn(module, *args)[1])
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    broken = fusion.CompiledForward("layer", dynamic=True)
+    assert broken(Doubler(), 2) == ("eager", 4) and broken(Doubler(), 3) == ("eager", 6)
+    assert state["compiled"] == 1 and broken.broken and "limit" in broken.error
+
+    state.update(compiled=0, mode="runtime")
+    ok = fusion.CompiledForward("layer", dynamic=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ok(Doubler(), 1)
+    state["mode"] = "fine"
+    assert ok(Doubler(), 1) == ("compiled", 2) and not ok.broken and ok.calls == 1
+
+
+def test_compiled_calls_route_module_calls_inside_the_block_only(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda m, *a: ("compiled", fn(m, *a)[1]))
+    mods = [Doubler(), Doubler()]
+    compiled = fusion.CompiledForward("layer")
+    with fusion.compiled_calls(mods, compiled):
+        assert [m(3) for m in mods] == [("compiled", 6)] * 2
+    assert [m(3) for m in mods] == [("eager", 6)] * 2
+    with pytest.raises(ValueError), fusion.compiled_calls(mods, compiled):
+        raise ValueError("restored on errors too")
+    assert mods[0]._compiled_call_impl is None and mods[0](1) == ("eager", 2)
+
+
+def test_compile_modes(monkeypatch):
+    monkeypatch.delenv("LATENTSERVE_COMPILE", raising=False)
+    assert fusion.compile_enabled() and fusion.layers_enabled()
+    monkeypatch.setenv("LATENTSERVE_COMPILE", "chains")
+    assert fusion.compile_enabled() and not fusion.layers_enabled()
+    monkeypatch.setenv("LATENTSERVE_COMPILE", "0")
+    assert not fusion.compile_enabled() and not fusion.layers_enabled()
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: pytest.fail("compiled with LATENTSERVE_COMPILE=0"))
+    assert fusion.CompiledForward("layer")(Doubler(), 1) == ("eager", 2)

@@ -9,16 +9,26 @@ The graphs read the weights and the KV cache at their pool addresses. Sleep keep
 addresses (DESIGN §2), so graphs captured once stay valid across level-1 and level-2 cycles
 and weight reloads: nothing is ever recaptured. Activations live in a private graph memory
 pool of torch's allocator, which sleep does not touch.
+
+While capturing, each decoder layer runs as torch.compile'd code (fusion.CompiledForward, one
+compile for every layer of the same structure, batch size dynamic): a layer becomes a few
+Inductor kernels around the library GEMMs, the grouped GEMMs and the MLA decode custom op, and
+the graph records those kernels. Weights and KV cache are inputs of the compiled code, read at
+their pool addresses like any eager kernel's; the compiled code runs only during capture, so
+eager steps (prefills, mixed batches) are untouched. LATENTSERVE_COMPILE=chains or 0 captures
+the uncompiled layers; a compiler failure falls back to them (logged, in `stats()`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
 
 from ..engine.plan import SeqChunk
 from ..log import get_logger
-from . import mla_decode
+from . import fusion, mla_decode
 from .attention import AttnMetadata
 from .moe import MoE, grouped_mm_fast
 
@@ -112,6 +122,7 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.replays = 0
+        self.compiled = fusion.CompiledForward("decoder_layer", dynamic=True) if fusion.layers_enabled() else None
         self._capture()
 
     def _meta(self, b: int) -> AttnMetadata:
@@ -128,12 +139,28 @@ class DecodeGraphs:
         hidden = self.model(self.ids[:b], meta, self.kv_caches)
         return self.model.compute_logits(hidden)
 
+    def _compiled_layers(self):
+        if self.compiled is None:
+            return contextlib.nullcontext()
+        # The KV caches keep their shapes for the engine's life: no symbolic dims for them.
+        for kv in self.kv_caches:
+            if isinstance(kv, torch.Tensor):
+                torch._dynamo.mark_static(kv)
+        return fusion.compiled_calls(self.model.layers, self.compiled)
+
     @torch.inference_mode()
     def _capture(self) -> None:
         # Every row: token 0 at position 0 of block 0, so capture only ever writes slot 0 (the
         # engine has no sequences yet; the first sequence in block 0 overwrites it).
         self.inputs.zero_()
         self.context.fill_(1)
+        with self._compiled_layers():
+            self._capture_all()
+        torch.cuda.synchronize()
+        if self.compiled is not None:
+            log.info("decode_layers_compiled", compiled=not self.compiled.broken, error=self.compiled.error)
+
+    def _capture_all(self) -> None:
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
             meta = self._meta(b)
             side = torch.cuda.Stream()
@@ -147,7 +174,6 @@ class DecodeGraphs:
                 self.logits[b] = self._forward(b, meta)
             self.graphs[b] = graph
             self.captures += 1
-        torch.cuda.synchronize()
 
     def batch_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -166,8 +192,11 @@ class DecodeGraphs:
         return self.logits[b][: len(chunks)].clone()
 
     def stats(self) -> dict:
+        compiled = None
+        if self.compiled is not None:
+            compiled = {"ok": not self.compiled.broken, "calls": self.compiled.calls, "error": self.compiled.error}
         return {"batch_sizes": self.sizes, "captures": self.captures, "replays": self.replays,
-                "graph_ids": {b: id(g) for b, g in self.graphs.items()}}
+                "graph_ids": {b: id(g) for b, g in self.graphs.items()}, "compiled_layers": compiled}
 
 
 def for_worker(model, kv_caches: list[torch.Tensor], config) -> DecodeGraphs | None:

@@ -7,7 +7,13 @@ latents (no gather into a padded copy, no per-sequence Python). Splits (flash-de
 the GPU busy when the batch is small; their partial outputs merge by log-sum-exp.
 
 The split count depends on the batch size only, never on context lengths read from the
-device, so a CUDA graph captured for a batch size stays valid for any context.
+device, so a CUDA graph captured for a batch size stays valid for any context. A second small
+Triton kernel merges the splits.
+
+Under torch.compile (the decode layers compiled inside the CUDA graphs) the two kernels are one
+opaque custom op, `torch.ops.latentserve.mla_decode`: Inductor neither traces the launch nor
+analyses which pointers it writes, and the split count stays host arithmetic on a concrete
+batch size, so one compiled graph serves every batch size.
 """
 
 from __future__ import annotations
@@ -112,12 +118,38 @@ if triton is not None:
         tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
 
 
+    @triton.jit
+    def _mla_decode_merge(o_ptr, lse_ptr, out_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                          num_heads, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D_LAT: tl.constexpr):
+        """One program per (sequence, head): the log-sum-exp weighted mean of its splits."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, S_PAD)
+        smask = s < NUM_SPLITS
+        lse = tl.load(lse_ptr + b * stride_lb + s * stride_ls + h, mask=smask, other=float("-inf"))
+        # Split 0 is never empty (context >= 1), so the max is finite; empty splits weigh 0.
+        w = tl.exp(lse - tl.max(lse, 0))
+        d = tl.arange(0, D_LAT)
+        o = tl.load(o_ptr + b * stride_ob + s[:, None] * stride_os + h * stride_oh + d[None, :],
+                    mask=smask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + (b * num_heads + h) * D_LAT + d, out)
+
+
 def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
                splits: int | None = None) -> torch.Tensor:
     """q_cat [B, H, kv_lora_rank + rope] (absorbed query | roped query); kv_cache
     [num_blocks, block_size, kv_lora_rank + rope]; block_tables [B, W] (any int dtype);
     context_lens [B] >= 1. Returns the attention output in latent space, [B, H, kv_lora_rank] fp32."""
+    if splits is None and torch.compiler.is_compiling():
+        return torch.ops.latentserve.mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale)
+    return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, splits)
+
+
+def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
+                splits: int | None = None) -> torch.Tensor:
     b, h, d = q_cat.shape
     if q_cat.stride(-1) != 1:
         q_cat = q_cat.contiguous()
@@ -139,6 +171,20 @@ def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     )
     if splits == 1:
         return o[:, 0]
-    # Log-sum-exp merge; split 0 is never empty (context >= 1), so the max is finite.
-    w = torch.exp(lse - lse.amax(dim=1, keepdim=True))  # [B, S, H]
-    return (o * w[..., None]).sum(dim=1) / w.sum(dim=1)[..., None]
+    out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32, device=q_cat.device)
+    _mla_decode_merge[(b, h)](o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                              h, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), D_LAT=kv_lora_rank,
+                              num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @torch.library.custom_op("latentserve::mla_decode", mutates_args=())
+    def _mla_decode_op(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+        return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale).contiguous()
+
+    @_mla_decode_op.register_fake
+    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale):
+        return q_cat.new_empty(q_cat.shape[0], q_cat.shape[1], kv_lora_rank, dtype=torch.float32)
