@@ -1,6 +1,8 @@
-"""Tensor-parallel group: the collectives the model needs, over torch.distributed.
+"""Tensor-parallel group: the collectives the model and the engine need.
 
-At world size 1 every collective is the identity, so the model code never branches on TP.
+Ranks of one node exchange CPU tensors and step plans through shared memory (`ShmGroup`, after
+`use_shared_memory`); across nodes, and for device tensors, torch.distributed does it (gloo
+or NCCL). At world size 1 every collective is the identity, so the model code never branches.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -20,6 +23,17 @@ class TPGroup:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.shm = None  # ShmGroup when the ranks share a node
+
+    def use_shared_memory(self, group_name: str, deadline_s: float = 60.0) -> None:
+        """Move this node's collectives to shared memory (every rank calls it, same name)."""
+        if self.world_size > 1 and self.shm is None:
+            from .shm_group import ShmGroup
+
+            self.shm = ShmGroup(self.rank, self.world_size, group_name, self.barrier, deadline_s=deadline_s)
+
+    def _on_shm(self, t: torch.Tensor) -> bool:
+        return self.shm is not None and t.device.type == "cpu"
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -35,6 +49,8 @@ class TPGroup:
 
     # ---- tensor collectives --------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self._on_shm(t):
+            return self.shm.all_reduce(t)
         if self.world_size > 1:
             dist.all_reduce(t, group=self.group)
         return t
@@ -42,6 +58,8 @@ class TPGroup:
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
             return t
+        if self._on_shm(t):
+            return self.shm.all_gather(t, dim)
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -58,8 +76,19 @@ class TPGroup:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def broadcast_ints(self, values: np.ndarray | None, src: int = 0, wait_forever: bool = False) -> np.ndarray:
+        """An int64 array from `src` (the others pass None): the step plans' binary form. With
+        wait_forever the receivers wait as long as it takes (a follower idle between plans)."""
+        if self.world_size == 1:
+            return values
+        if self.shm is not None:
+            return self.shm.broadcast_ints(values, src, wait_forever)
+        return self.broadcast_object(values, src)  # across nodes: rare, and NCCL needs no special case
+
     def barrier(self) -> None:
-        if self.world_size > 1:
+        if self.shm is not None:
+            self.shm.barrier()
+        elif self.world_size > 1:
             dist.barrier(group=self.group)
 
     # ---- sharding helpers ----------------------------------------------------
@@ -69,6 +98,9 @@ class TPGroup:
         return self.rank * size, size
 
     def destroy(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 

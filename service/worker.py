@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .engine.plan import StepPlan
+from .engine.plan import StepPlan, decode_message, encode_message
 from .engine_config import EngineConfig
 from .log import get_logger
 from .net import free_port
@@ -91,6 +91,8 @@ class RankWorker:
                 self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
         self.tp = TPGroup.init(self.rank, self.world_size, init_method, backend=cfg.process_group_backend)
+        if same_node:
+            self.tp.use_shared_memory(group_name)
         self._build_model(group_name)
         self._load_initial_weights()
         self._allocate_kv_cache()
@@ -229,7 +231,7 @@ class RankWorker:
         """Rank 0: send the plan to every rank, then run it here too."""
         self.check_runnable()
         with self._plan_lock:  # plans and probes reach the followers in one order
-            self.tp.broadcast_object(("step", plan))
+            self.tp.broadcast_ints(encode_message("step", plan))
             try:
                 return self.execute(plan)
             except Exception as e:
@@ -247,7 +249,7 @@ class RankWorker:
     def follow(self) -> None:
         """Ranks > 0: execute broadcast plans until a stop message."""
         while True:
-            kind, payload = self.tp.broadcast_object(None)
+            kind, payload = decode_message(self.tp.broadcast_ints(None, wait_forever=True))
             if kind == "stop":
                 return
             try:
@@ -269,7 +271,7 @@ class RankWorker:
 
     def stop_followers(self) -> None:
         if self.rank == 0 and self.world_size > 1:
-            self.tp.broadcast_object(("stop", None))
+            self.tp.broadcast_ints(encode_message("stop"))
 
     # ---- sleep -----------------------------------------------------------------
     def sleep(self, level: int) -> dict:
@@ -439,7 +441,7 @@ class RankWorker:
         if self.rank == 0:
             with self._plan_lock:
                 if self.world_size > 1:
-                    self.tp.broadcast_object(("probe", list(token_ids)))
+                    self.tp.broadcast_ints(encode_message("probe", list(token_ids)))
                 return self._probe(token_ids)
         with self._probe_cv:
             if not self._probe_cv.wait_for(lambda: self._probe_results, timeout):

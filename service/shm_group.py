@@ -1,0 +1,177 @@
+"""The TP collectives of the ranks of one node over POSIX shared memory (all-reduce, all-gather,
+broadcast of the step plan), instead of gloo over loopback TCP.
+
+Each rank owns one /dev/shm segment: two counters and two data slots. Every rank runs the same
+collectives in the same order, so op n is the same op everywhere; it uses slot n % 2.
+
+    ready[r] = n  rank r's data for op n is in its slot n % 2 (stored after the data)
+    done[r]  = n  rank r has finished reading op n
+
+A rank writes slot n % 2 only once every rank's done >= n - 2 (the last op on that slot), then
+publishes ready; readers wait for the ready counters they need. An all-reduce sums the slots in
+rank order in fp32, so every rank gets the same bits. Payloads larger than a slot go in pieces,
+each its own op. Stores are ordered on x86-64 (TSO), as the fused tail already relies on.
+
+Every wait has a deadline (a step's collectives) or none (a follower idle between plans); a
+peer that died shows up as the deadline's error, naming the rank and the op.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .tail.shm import _Segment, _tight_sleep_slack
+
+_HEADER = 64  # ready, done: int64 each, on their own cache line
+READY, DONE = 0, 1
+SLOT_BYTES = int(os.environ.get("LATENTSERVE_SHM_SLOT_BYTES", 4 << 20))
+# Busy-poll briefly (peers usually answer within microseconds), then sleep in short steps: ranks
+# may share few cores, and spinning would steal the CPU a peer needs to answer.
+_SPIN_S, _SLEEP_S, _IDLE_SLEEP_S = 30e-6, 20e-6, 500e-6
+
+
+class CollectiveTimeout(RuntimeError):
+    """A shared-memory collective's peers did not answer in time (dead, stuck or out of step)."""
+
+
+def segment_name(group_name: str, rank: int) -> str:
+    return f"latentserve-tp-{group_name}-r{rank}"
+
+
+class ShmGroup:
+    """One per rank process. `barrier` is the process group's (used while setting up only)."""
+
+    def __init__(self, rank: int, world_size: int, group_name: str, barrier, deadline_s: float = 60.0,
+                 slot_bytes: int = SLOT_BYTES):
+        self.rank, self.world_size = rank, world_size
+        self.slot_bytes = slot_bytes
+        self.deadline_s = deadline_s
+        self._n = 0
+        self._lock = threading.Lock()
+        size = _HEADER + 2 * slot_bytes
+        own = _Segment(segment_name(group_name, rank), size, create=True)
+        self._segments = [own]
+        atexit.register(self.close)
+        barrier()
+        segs = [own if p == rank else _Segment(segment_name(group_name, p), size, create=False)
+                for p in range(world_size)]
+        self._segments = segs
+        barrier()
+        own.unlink()  # every rank mapped it: a rank killed without atexit leaks nothing
+        self._counters = [np.frombuffer(s.mm, dtype=np.int64, count=2) for s in segs]
+        self._slots = [[np.frombuffer(s.mm, dtype=np.uint8, count=slot_bytes, offset=_HEADER + k * slot_bytes)
+                        for k in range(2)] for s in segs]
+        self._closed = False
+
+    # ---- the protocol ------------------------------------------------------------------
+    def _wait(self, counter: int, ranks, n: int, what: str, deadline_s: float | None) -> None:
+        """Until counter (READY or DONE) >= n on each of `ranks`."""
+        views = [self._counters[p] for p in ranks]
+        if all(v[counter] >= n for v in views):
+            return
+        start = time.perf_counter()
+        while not all(v[counter] >= n for v in views):
+            now = time.perf_counter()
+            if now - start > _SPIN_S:
+                _tight_sleep_slack()
+                time.sleep(_IDLE_SLEEP_S if deadline_s is None and now - start > 0.01 else _SLEEP_S)
+            if deadline_s is not None and now - start > deadline_s:
+                raise CollectiveTimeout(f"TP rank {self.rank}: shared-memory {what} (op {n}) got no answer "
+                                        f"within {deadline_s:g}s (a peer died, is stuck, or the ranks ran "
+                                        f"different collectives)")
+
+    def _begin(self, what: str) -> tuple[int, int]:
+        self._n += 1
+        n = self._n
+        self._wait(DONE, range(self.world_size), n - 2, what, self.deadline_s)
+        return n, n % 2
+
+    def _publish_ready(self, n: int) -> None:
+        self._counters[self.rank][READY] = n
+
+    def _publish_done(self, n: int) -> None:
+        self._counters[self.rank][DONE] = n
+
+    def _exchange(self, payload: np.ndarray, what: str) -> list[np.ndarray]:
+        """Every rank's bytes (same length everywhere), rank order; payload is uint8 [nbytes]."""
+        nbytes = payload.nbytes
+        out = [np.empty(nbytes, dtype=np.uint8) for _ in range(self.world_size)]
+        for lo in range(0, max(nbytes, 1), self.slot_bytes):
+            hi = min(nbytes, lo + self.slot_bytes)
+            n, s = self._begin(what)
+            self._slots[self.rank][s][: hi - lo] = payload[lo:hi]
+            self._publish_ready(n)
+            self._wait(READY, range(self.world_size), n, what, self.deadline_s)
+            for p in range(self.world_size):
+                out[p][lo:hi] = self._slots[p][s][: hi - lo]
+            self._publish_done(n)
+        return out
+
+    # ---- collectives --------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum into t (CPU, contiguous), in rank order and fp32."""
+        with self._lock:
+            parts = self._exchange(_bytes(t), "all_reduce")
+        acc = torch.zeros(t.shape, dtype=torch.float32)
+        for part in parts:
+            acc += torch.from_numpy(part).view(t.dtype).view(t.shape)
+        t.copy_(acc)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        t = t.contiguous()
+        with self._lock:
+            parts = self._exchange(_bytes(t), "all_gather")
+        return torch.cat([torch.from_numpy(p).view(t.dtype).view(t.shape) for p in parts], dim=dim)
+
+    def broadcast_ints(self, values: np.ndarray | None, src: int = 0, wait_forever: bool = False) -> np.ndarray:
+        """int64 values from `src` to every rank; others pass None. With wait_forever the
+        receivers wait without a deadline (a follower idle until the next plan)."""
+        with self._lock:
+            n0 = self._n
+            if self.rank == src:
+                data = np.concatenate([np.array([values.size], dtype=np.int64), values.astype(np.int64)])
+                raw = data.view(np.uint8)
+                for lo in range(0, raw.nbytes, self.slot_bytes):
+                    n, s = self._begin("broadcast")
+                    piece = raw[lo:lo + self.slot_bytes]
+                    self._slots[src][s][: piece.nbytes] = piece
+                    self._publish_ready(n)
+                    self._publish_done(n)
+                return values
+            chunks, total = [], None
+            while total is None or sum(c.nbytes for c in chunks) < total:
+                n, s = self._begin("broadcast")
+                idle = wait_forever and n == n0 + 1
+                self._wait(READY, (src,), n, "broadcast", None if idle else self.deadline_s)
+                if total is None:
+                    total = 8 * (1 + int(self._slots[src][s][:8].view(np.int64)[0]))
+                take = min(self.slot_bytes, total - sum(c.nbytes for c in chunks))
+                chunks.append(self._slots[src][s][:take].copy())
+                self._publish_ready(n)
+                self._publish_done(n)
+            return np.concatenate(chunks).view(np.int64)[1:]
+
+    def barrier(self) -> None:
+        with self._lock:
+            self._exchange(np.zeros(0, dtype=np.uint8), "barrier")
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._counters, self._slots = [], []
+        for seg in self._segments:
+            seg.close()
+        atexit.unregister(self.close)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.contiguous()
+    return t.view(torch.uint8).view(-1).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)

@@ -1,0 +1,96 @@
+"""The shared-memory TP collectives (service/shm_group.py), ranks as threads of one process: the
+same bits on every rank, payloads larger than a slot, step plans in their binary form, and a
+peer that never answers ends in a clear error at the deadline instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from service.engine.plan import SeqChunk, StepPlan, decode_message, encode_message
+from service.shm_group import CollectiveTimeout, ShmGroup
+
+
+def run_ranks(world: int, fn, slot_bytes: int = 4096, deadline_s: float = 20.0) -> list:
+    """fn(group) on `world` ranks; returns each rank's result (or raised exception)."""
+    name = f"test{os.getpid()}-{time.monotonic_ns()}"
+    barrier = threading.Barrier(world)
+    results: list = [None] * world
+
+    def rank(r: int) -> None:
+        g = ShmGroup(r, world, name, barrier.wait, deadline_s=deadline_s, slot_bytes=slot_bytes)
+        try:
+            results[r] = fn(g)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            results[r] = e
+        finally:
+            g.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_reduce_and_gather_give_every_rank_the_same_bits(world):
+    def fn(g):
+        x = torch.randn(37, 19, generator=torch.Generator().manual_seed(g.rank))  # 2.8 KB: one slot
+        big = torch.randn(5000, generator=torch.Generator().manual_seed(10 + g.rank)).to(torch.bfloat16)
+        return (g.all_reduce(x.clone()), g.all_reduce(big.clone()),
+                g.all_gather(torch.full((2, 3), float(g.rank)), dim=-1))
+
+    out = run_ranks(world, fn)
+    inputs = [torch.randn(37, 19, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    want = sum(inputs[1:], inputs[0].clone())
+    for r in range(world):
+        reduced, big, gathered = out[r]
+        assert torch.equal(reduced, out[0][0]) and torch.equal(big, out[0][1])  # identical bits everywhere
+        assert torch.allclose(reduced, want, atol=1e-5)
+        assert big.dtype == torch.bfloat16 and big.shape == (5000,)  # 10 KB: three slots of 4 KB
+        assert gathered.tolist() == [[float(p) for p in range(world) for _ in range(3)]] * 2
+
+
+def test_step_plans_broadcast_in_binary_form():
+    plan = StepPlan([SeqChunk(7, list(range(900)), 0, [3, 1, 2], True, 5),  # 7 KB message: two slots
+                     SeqChunk(9, [42], 63, [8, 9, 10, 11], False, 0)])
+
+    def fn(g):
+        got = [decode_message(g.broadcast_ints(encode_message("step", plan) if g.rank == 0 else None))
+               for _ in range(3)]
+        got.append(decode_message(g.broadcast_ints(encode_message("stop") if g.rank == 0 else None)))
+        return got
+
+    for got in run_ranks(3, fn):
+        assert got[:3] == [("step", plan)] * 3 and got[3] == ("stop", None)
+
+
+def test_a_peer_that_never_comes_ends_in_a_timely_named_error():
+    def fn(g):
+        if g.rank == 1:
+            return None  # never joins the all-reduce
+        start = time.perf_counter()
+        with pytest.raises(CollectiveTimeout, match=r"TP rank 0: shared-memory all_reduce \(op 1\)"):
+            g.all_reduce(torch.ones(4))
+        return time.perf_counter() - start
+
+    elapsed, _ = run_ranks(2, fn, deadline_s=0.5)
+    assert 0.5 <= elapsed < 5
+
+
+def test_a_follower_idles_past_the_deadline_waiting_for_a_plan():
+    def fn(g):
+        if g.rank == 0:
+            time.sleep(0.6)  # longer than the deadline: an idle engine
+            return g.broadcast_ints(np.array([1, 2, 3]))
+        return g.broadcast_ints(None, wait_forever=True)
+
+    assert [list(r) for r in run_ranks(2, fn, deadline_s=0.2)] == [[1, 2, 3]] * 2
