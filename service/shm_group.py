@@ -54,7 +54,7 @@ class ShmGroup:
         self.deadline_s = deadline_s
         self._n = 0
         self._lock = threading.Lock()
-        size = _HEADER + 2 * slot_bytes
+        size = self.nbytes = _HEADER + 2 * slot_bytes
         own = _Segment(segment_name(group_name, rank), size, create=True)
         self._segments = [own]
         atexit.register(self.close)

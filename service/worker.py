@@ -115,6 +115,8 @@ class RankWorker:
         mcfg = cfg.model_config
         # The pool exists before the model so the tail's flags and peer table are named state in it.
         self.pool = MemoryPool(self.device, layout=cfg.pool_layout, poison=cfg.poison_discarded)
+        if self.tp.shm is not None:  # exchange memory outside the pool: kept by every sleep level
+            self.pool.register_comm("tp_collectives", self.tp.shm.nbytes)
         self.collective = self._make_collective(group_name)
         mode = cfg.fused_tail
 
