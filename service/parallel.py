@@ -105,9 +105,24 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def set_cpu_threads(world_size: int) -> int:
-    """Give each rank an equal share of the CPU so TP ranks do not oversubscribe it."""
-    n = max(1, (os.cpu_count() or 1) // max(world_size, 1))
+def set_cpu_threads(world_size: int, rank: int | None = None) -> int:
+    """Give each rank an equal share of the CPU so TP ranks do not oversubscribe it, and, when
+    every rank can have cores of its own, pin rank `rank` to its share (as vLLM's CPU backend
+    binds its OpenMP threads): its threads then never migrate onto a peer's core mid-collective.
+    LATENTSERVE_CPU_BIND=0 leaves placement to the OS."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = max(1, len(cores) // max(world_size, 1))
     n = int(os.environ.get("LATENTSERVE_THREADS_PER_RANK", n))
+    bind = os.environ.get("LATENTSERVE_CPU_BIND", "1") != "0"
+    if bind and rank is not None and 1 < world_size <= len(cores) and hasattr(os, "sched_setaffinity"):
+        share = len(cores) // world_size
+        mine = cores[rank * share:(rank + 1) * share]
+        # Every thread of the process (a Ray actor runs this on one of several); threads
+        # started later inherit it from their creator.
+        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+            try:
+                os.sched_setaffinity(int(tid), mine)
+            except (ProcessLookupError, PermissionError):  # a thread that just ended
+                pass
     torch.set_num_threads(n)
     return n

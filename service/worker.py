@@ -82,7 +82,7 @@ class RankWorker:
         t0 = time.perf_counter()
         cfg = self.config
         self.same_node = same_node
-        threads = set_cpu_threads(self.world_size) if cfg.device == "cpu" else None
+        threads = set_cpu_threads(self.world_size, self.rank) if cfg.device == "cpu" else None
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             # Ray gives each rank actor its own visible GPU, so a bare "cuda" means index 0;

@@ -56,10 +56,13 @@ class AttnMetadata:
     # Single-token chunks, run together in the absorbed form.
     decode_token_idx: torch.Tensor  # [B] long, token index of each decode
     decode_block_tables: torch.Tensor  # [B, max decode blocks] long
-    decode_mask: torch.Tensor | None  # [B, max decode blocks * block_size] bool: slot holds context
+    # [B, longest decode context] long: cache slot of each context position; positions past a
+    # sequence's context repeat its slot 0 (written, so finite), and `decode_bias` masks them.
+    decode_slots: torch.Tensor | None
+    decode_bias: torch.Tensor | None  # [B, 1, longest decode context] float32: 0 or -inf
     prefill_chunks: list[int]  # chunk indices with more than one token
     # [B] long, each decode's context after this step (the Triton kernel and CUDA graphs read it;
-    # None only in metadata built by hand, which must then give decode_mask).
+    # None only in metadata built by hand, which must then give decode_slots).
     decode_context_lens: torch.Tensor | None = None
     # Linear-attention (KDA) state rows, one per chunk (see SeqChunk.state_slot).
     state_slots: torch.Tensor | None = None  # [N] long
@@ -113,9 +116,15 @@ class AttnMetadata:
 
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
         decode_tables = padded([all_blocks[i] for i in decodes])
-        slots = torch.arange(decode_tables.shape[1] * block_size)
         decode_ctx = torch.tensor([ctx_lens[i] for i in decodes], dtype=torch.long)
-        decode_mask = slots[None, :] < decode_ctx[:, None]
+        decode_slots = decode_bias = None
+        if paged and decodes:
+            width = int(decode_ctx.max())
+            ctx_pos = torch.arange(width)
+            inside = ctx_pos[None, :] < decode_ctx[:, None]
+            ctx_pos = torch.where(inside, ctx_pos[None, :], 0)
+            decode_slots = decode_tables.gather(1, ctx_pos // block_size) * block_size + ctx_pos % block_size
+            decode_bias = torch.zeros(len(decodes), 1, width).masked_fill_(~inside[:, None, :], float("-inf"))
 
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
@@ -135,7 +144,8 @@ class AttnMetadata:
             max_position=max(ctx_lens) - 1,
             decode_token_idx=dev(torch.tensor([qsl[i] for i in decodes], dtype=torch.long)),
             decode_block_tables=dev(decode_tables),
-            decode_mask=dev(decode_mask),
+            decode_slots=dev(decode_slots) if decode_slots is not None else None,
+            decode_bias=dev(decode_bias) if decode_bias is not None else None,
             prefill_chunks=[i for i, n in enumerate(query_lens) if n > 1],
             decode_context_lens=dev(decode_ctx),
             state_slots=dev(torch.tensor([c.state_slot for c in chunks], dtype=torch.long)),
@@ -247,15 +257,13 @@ class MLAAttention(nn.Module):
             o_latent = mla_decode.mla_decode(q_cat, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
                                              self.kv_lora_rank, self.scale).to(q.dtype)
             return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        if meta.decode_mask is None:
-            raise ValueError("decode metadata without decode_mask needs the Triton decode kernel")
-        pad = ~meta.decode_mask
-        # Advanced indexing copies, so masking in place leaves the cache alone. Slots past the
-        # context hold stale or poisoned (NaN) data, and 0 * NaN is NaN: zero them.
-        ctx = kv_cache[meta.decode_block_tables].view(b, -1, kv_cache.shape[-1]).to(q.dtype)
-        ctx.masked_fill_(pad[..., None], 0)
-        scores = torch.bmm(q_cat, ctx.transpose(1, 2)).float() * self.scale  # [B, heads, S]
-        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        if meta.decode_slots is None:
+            raise ValueError("decode metadata without decode_slots needs the Triton decode kernel")
+        # Exactly the context's slots (padding repeats a written slot, so no stale or poisoned
+        # value is read and nothing needs zeroing); the bias masks the padding.
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        ctx = flat.index_select(0, meta.decode_slots.view(-1)).view(b, -1, flat.shape[-1]).to(q.dtype)
+        scores = torch.baddbmm(meta.decode_bias, q_cat.float(), ctx.float().transpose(1, 2), alpha=self.scale)
         probs = scores.softmax(dim=-1).to(q.dtype)
         o_latent = torch.bmm(probs, ctx[..., : self.kv_lora_rank])  # [B, heads, kv_lora]
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, heads, v]

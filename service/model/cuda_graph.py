@@ -132,7 +132,7 @@ class DecodeGraphs:
             context_lens=self.context[:b], block_tables=self.tables[:b], logits_indices=rows,
             block_size=self.block_size, query_lens=[1] * b, query_starts=list(range(b + 1)),
             start_positions=[0] * b, context_lens_list=[1] * b, max_position=0,
-            decode_token_idx=rows, decode_block_tables=self.tables[:b], decode_mask=None,
+            decode_token_idx=rows, decode_block_tables=self.tables[:b], decode_slots=None, decode_bias=None,
             prefill_chunks=[], decode_context_lens=self.context[:b])
 
     def _forward(self, b: int, meta: AttnMetadata) -> torch.Tensor:
