@@ -322,7 +322,7 @@ def reference_kda(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor)
             s[h] = s[h] + torch.outer(k[t, h], u)
             o[t, h] = s[h].T @ q[t, h]
     gate = x @ w["g_proj.weight"].T if cfg.kda_full_rank_gate else x @ w["g_a_proj.weight"].T @ w["g_b_proj.weight"].T
-    normed = o / torch.sqrt((o * o).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w["o_norm.weight"]
+    normed = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-5) * w["o_norm.weight"]  # vLLM: fixed eps
     return (normed * torch.sigmoid(heads_of(gate))).reshape(n, heads * d) @ w["o_proj.weight"].T
 
 

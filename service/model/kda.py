@@ -36,6 +36,9 @@ log = get_logger("kda")
 
 CHUNK_SIZE = 64
 L2_EPS = 1e-6  # x / sqrt(sum x^2 + eps), FLA's l2norm, which transformers and vLLM follow
+# vLLM builds the gated output norm as FusedRMSNormGated(head_dim) with its default eps, whatever
+# rms_norm_eps says (transformers uses rms_norm_eps): the serving engine is the spec.
+O_NORM_EPS = 1e-5
 SOFTPLUS_THRESHOLD = 20.0
 
 try:  # Triton comes with CUDA builds of torch; CPU installs run without it.
@@ -240,7 +243,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         else:
             self.g_a_proj = ReplicatedLinear(h, d, dtype)
             self.g_b_proj = ColumnParallelLinear(d, proj, tp, dtype)
-        self.o_norm = GatedRMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.o_norm = GatedRMSNorm(d, O_NORM_EPS, dtype)
         self.o_proj = RowParallelLinear(proj, h, tp, dtype)
 
     # ---- forward -----------------------------------------------------------------------------
