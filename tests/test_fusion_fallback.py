@@ -109,3 +109,32 @@ def test_compile_modes(monkeypatch):
     assert not fusion.compile_enabled() and not fusion.layers_enabled()
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: pytest.fail("compiled with LATENTSERVE_COMPILE=0"))
     assert fusion.CompiledForward("layer")(Doubler(), 1) == ("eager", 2)
+
+
+def test_a_capture_the_compiled_layers_break_is_retried_uncompiled(monkeypatch):
+    from types import SimpleNamespace
+
+    from service.model import cuda_graph
+
+    built = []
+
+    class FakeGraphs:
+        def __init__(self, *args, compile_layers=None):
+            built.append(compile_layers)
+            if compile_layers:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.sizes = args[-1]
+
+        def stats(self):
+            return {"compiled_layers": None}
+
+    monkeypatch.setattr(cuda_graph, "DecodeGraphs", FakeGraphs)
+    monkeypatch.setattr(cuda_graph, "unsupported_reason", lambda model, kv: None)
+    monkeypatch.delenv("LATENTSERVE_COMPILE", raising=False)
+    config = SimpleNamespace(enforce_eager=False, device="cuda", cuda_graph_batch_sizes=[1, 8], max_num_seqs=8,
+                             block_size=16, max_model_len=64)
+    graphs = cuda_graph.for_worker(None, [], config)
+    assert isinstance(graphs, FakeGraphs) and built == [True, False]
+    built.clear()
+    monkeypatch.setenv("LATENTSERVE_COMPILE", "chains")
+    assert isinstance(cuda_graph.for_worker(None, [], config), FakeGraphs) and built == [False]

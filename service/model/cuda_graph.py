@@ -100,7 +100,7 @@ class DecodeGraphs:
     step is not a graphable decode (then the caller runs it eagerly)."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 batch_sizes=DEFAULT_BATCH_SIZES):
+                 batch_sizes=DEFAULT_BATCH_SIZES, compile_layers: bool | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -122,7 +122,9 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.replays = 0
-        self.compiled = fusion.CompiledForward("decoder_layer", dynamic=True) if fusion.layers_enabled() else None
+        if compile_layers is None:
+            compile_layers = fusion.layers_enabled()
+        self.compiled = fusion.CompiledForward("decoder_layer", dynamic=True) if compile_layers else None
         self._capture()
 
     def _meta(self, b: int) -> AttnMetadata:
@@ -210,10 +212,15 @@ def for_worker(model, kv_caches: list[torch.Tensor], config) -> DecodeGraphs | N
     if reason is not None:
         log.warning("cuda_graphs_off", reason=reason)
         return None
-    try:
-        graphs = DecodeGraphs(model, kv_caches, config.block_size, config.max_model_len, sizes)
-    except Exception as e:  # serve eagerly rather than not at all
-        log.error("cuda_graph_capture_failed", error=f"{type(e).__name__}: {e}")
-        return None
-    log.info("cuda_graphs_captured", batch_sizes=graphs.sizes)
-    return graphs
+    # Compiled layers first; a capture they break (not a compiler error: those fall back inside)
+    # is retried with the uncompiled layers, and only then does the engine serve eagerly.
+    for compile_layers in ([True, False] if fusion.layers_enabled() else [False]):
+        try:
+            graphs = DecodeGraphs(model, kv_caches, config.block_size, config.max_model_len, sizes,
+                                  compile_layers=compile_layers)
+        except Exception as e:  # serve eagerly rather than not at all
+            log.error("cuda_graph_capture_failed", compiled_layers=compile_layers, error=f"{type(e).__name__}: {e}"[:500])
+            continue
+        log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, compiled_layers=graphs.stats()["compiled_layers"])
+        return graphs
+    return None
