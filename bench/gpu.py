@@ -111,7 +111,7 @@ def active_expert_bytes(worker, chunks) -> tuple[int, int]:
 
     seen: list[int] = []
     hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(
-        int(args[2].unique().numel()) * 3 * mod.w1[0].numel() * mod.w1.element_size()))
+        int(args[2].unique().numel()) * (mod.w13[0].numel() + mod.w2[0].numel()) * mod.w2.element_size()))
         for m in worker.model.modules() if isinstance(m, FusedExperts)]
     graphs, worker.decode_graphs = worker.decode_graphs, None
     try:
@@ -297,7 +297,7 @@ def to_transformers(model, device: str):
     for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
         if name.endswith(".experts.gate_up_proj"):
             pre = name.removesuffix("gate_up_proj")
-            t.copy_(torch.cat([ours[pre + "w1"], ours[pre + "w3"]], dim=1))
+            t.copy_(ours[pre + "w13"])  # gate rows then up rows, as transformers stacks them
         elif name.endswith(".experts.down_proj"):
             t.copy_(ours[name.removesuffix("down_proj") + "w2"])
         elif name in ours:

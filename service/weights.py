@@ -59,7 +59,15 @@ class WeightSpec:
     param: str  # model parameter name
     shard_dim: int | None  # None: replicated on every rank
     expert: int | None = None  # index into the fused expert tensor
-    kind: str = "matrix"  # matrix | norm | bias (what dummy init draws)
+    kind: str = "matrix"  # matrix | norm | bias | a_log | dt_bias (what dummy init draws)
+    # (i, n): the parameter stacks n tensors along dim 0 and this is the i-th (gate and up of
+    # the experts share one w13, each rank holding its shard of both)
+    part: tuple[int, int] | None = None
+
+    def target(self, param: torch.Tensor) -> torch.Tensor:
+        """This tensor's (this rank's) place in its model parameter."""
+        t = param[self.expert] if self.expert is not None else param
+        return t.unflatten(0, (self.part[1], -1))[self.part[0]] if self.part is not None else t
 
     def rank_index(self, tp: TPGroup) -> tuple[slice, ...]:
         if self.shard_dim is None:
@@ -107,8 +115,8 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
         names = ("w1", "w3", "w2") if cfg.is_kimi else ("gate_proj", "up_proj", "down_proj")
         for j in range(cfg.n_routed_experts):
             e = f"{m}.experts.{j}"
-            specs.append(WeightSpec(f"{e}.{names[0]}.weight", (inter, width), f"{pm}.experts.w1", 0, j))
-            specs.append(WeightSpec(f"{e}.{names[1]}.weight", (inter, width), f"{pm}.experts.w3", 0, j))
+            specs.append(WeightSpec(f"{e}.{names[0]}.weight", (inter, width), f"{pm}.experts.w13", 0, j, part=(0, 2)))
+            specs.append(WeightSpec(f"{e}.{names[1]}.weight", (inter, width), f"{pm}.experts.w13", 0, j, part=(1, 2)))
             specs.append(WeightSpec(f"{e}.{names[2]}.weight", (width, inter), f"{pm}.experts.w2", 1, j))
         if cfg.n_shared_experts:
             mlp(f"{m}.shared_experts", inter * cfg.n_shared_experts, param=f"{pm}.shared_experts")
@@ -203,9 +211,7 @@ def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def _assign(params: dict[str, torch.Tensor], spec: WeightSpec, source, tp: TPGroup) -> None:
     """Copy this rank's slice of `source` (a full tensor or a safetensors slice) into the model."""
-    target = params[spec.param].data
-    if spec.expert is not None:
-        target = target[spec.expert]
+    target = spec.target(params[spec.param].data)
     if tuple(_shape(source)) != spec.shape:  # e.g. A_log stored [1, 1, H, 1] (see _same_shape)
         source = source[:].reshape(spec.shape)
     piece = source[spec.rank_index(tp)]
@@ -420,8 +426,7 @@ def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     params = _targets(model)
     out = {}
     for spec in weight_specs(model.config):
-        t = params[spec.param]
-        out[spec.hf_name] = (t[spec.expert] if spec.expert is not None else t).detach().clone()
+        out[spec.hf_name] = spec.target(params[spec.param]).detach().clone()
     return out
 
 

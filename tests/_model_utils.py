@@ -40,6 +40,22 @@ def full_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     return model.compute_logits(model(torch.tensor(tokens, device=device), meta, None))
 
 
+def join_shards(name: str, parts: list[torch.Tensor], full_shape: torch.Size) -> torch.Tensor:
+    """The full tensor from TP shards: concatenated along the one dim where they are smaller;
+    replicas must agree. Expert w13 stacks each rank's gate and up shards, so those two are
+    joined separately."""
+    if name.endswith("experts.w13"):
+        halves = [p.unflatten(1, (2, -1)) for p in parts]
+        return join_shards("", halves, halves[0].shape[:2] + (full_shape[1] // 2, full_shape[2])).flatten(1, 2)
+    dims = [d for d in range(len(full_shape)) if parts[0].shape[d] != full_shape[d]]
+    if not dims:
+        for p in parts[1:]:
+            assert torch.equal(p, parts[0]), f"replicated tensor {name} differs across ranks"
+        return parts[0]
+    assert len(dims) == 1
+    return torch.cat(parts, dim=dims[0])
+
+
 def margin(row: torch.Tensor) -> float:
     top = row.float().topk(2).values
     return float(top[0] - top[1])

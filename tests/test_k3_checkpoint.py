@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from _model_utils import build_model, full_logits
+from _model_utils import build_model, full_logits, join_shards
 from safetensors.torch import load_file, save_file
 
 from service.config import PRESETS, ConfigError, ModelConfig, resolve_model
@@ -64,12 +64,7 @@ def test_dummy_init_is_tp_invariant_for_k3():
     full = params(build_model(K3, seed=0))
     ranks = [params(build_model(K3, TPGroup(r, 2, None), seed=0)) for r in range(2)]
     for name, t in full.items():
-        parts = [r[name] for r in ranks]
-        dims = [d for d in range(t.dim()) if parts[0].shape[d] != t.shape[d]]
-        joined = torch.cat(parts, dim=dims[0]) if dims else parts[0]
-        assert torch.equal(joined, t), name
-        if not dims:
-            assert torch.equal(parts[1], parts[0]), f"replicated {name} differs across ranks"
+        assert torch.equal(join_shards(name, [r[name] for r in ranks], t.shape), t), name
 
 
 def test_checkpoint_names_are_vllms_and_round_trip(tmp_path):

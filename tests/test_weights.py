@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _model_utils import build_model
+from _model_utils import build_model, join_shards
 
 from service.config import PRESETS
 from service.parallel import TPGroup
@@ -40,24 +40,13 @@ def shards(cfg, world: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [params(build_model(cfg, TPGroup(r, world, None), seed=seed)) for r in range(world)]
 
 
-def join(parts: list[torch.Tensor], full_shape: torch.Size) -> torch.Tensor:
-    """Concatenate TP shards along the one dim where they are smaller; replicas must agree."""
-    dims = [d for d in range(len(full_shape)) if parts[0].shape[d] != full_shape[d]]
-    if not dims:
-        for p in parts[1:]:
-            assert torch.equal(p, parts[0]), "replicated tensor differs across ranks"
-        return parts[0]
-    assert len(dims) == 1
-    return torch.cat(parts, dim=dims[0])
-
-
 @pytest.mark.parametrize("preset,world", [("tiny", 2), ("tiny", 4), ("tiny-dense-moe", 2)])
 def test_dummy_init_is_tp_invariant(preset, world):
     cfg = PRESETS[preset]
     full = params(build_model(cfg, seed=0))
     ranks = shards(cfg, world)
     for name, t in full.items():
-        assert torch.equal(join([r[name] for r in ranks], t.shape), t), name
+        assert torch.equal(join_shards(name, [r[name] for r in ranks], t.shape), t), name
 
 
 def test_dummy_init_scale_and_seed():
@@ -82,7 +71,7 @@ def test_parameter_names_are_hf_names_with_fused_experts():
     hf = set(expected_weights(TINY))
     assert {n for n in hf if ".experts." not in n} == {n for n in names if ".experts." not in n}
     assert {n for n in names if ".experts." in n} == {
-        f"model.layers.{i}.mlp.experts.{w}" for i in range(1, TINY.num_hidden_layers) for w in ("w1", "w2", "w3")}
+        f"model.layers.{i}.mlp.experts.{w}" for i in range(1, TINY.num_hidden_layers) for w in ("w13", "w2")}
     assert all(not p.requires_grad for p in build_model(TINY, seed=None).parameters())
 
 

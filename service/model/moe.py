@@ -71,8 +71,8 @@ def grouped_mm_fast(x: torch.Tensor) -> bool:
 
 
 class FusedExperts(nn.Module):
-    """All routed experts of a layer in three tensors, this rank's intermediate shard:
-    w1 (gate) [E, I/tp, W], w3 (up) [E, I/tp, W], w2 (down) [E, W, I/tp]."""
+    """All routed experts of a layer in two tensors, this rank's intermediate shard:
+    w13 [E, 2*I/tp, W] (gate rows, then up rows: one matmul for both) and w2 (down) [E, W, I/tp]."""
 
     def __init__(self, cfg: ModelConfig, width: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
@@ -80,8 +80,8 @@ class FusedExperts(nn.Module):
         shard = cfg.moe_intermediate_size // tp.world_size
         self.act = act_and_mul(cfg)
         self.num_experts = num_experts
-        self.w1 = frozen(num_experts, shard, width, dtype=dtype)
-        self.w3 = frozen(num_experts, shard, width, dtype=dtype)
+        self.shard = shard
+        self.w13 = frozen(num_experts, 2 * shard, width, dtype=dtype)
         self.w2 = frozen(num_experts, width, shard, dtype=dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ class FusedExperts(nn.Module):
         return self.per_expert(x, weights, ids)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Three grouped GEMMs over the (token, expert) pairs sorted by expert. No host sync and
+        """Two grouped GEMMs over the (token, expert) pairs sorted by expert. No host sync and
         static shapes, so it runs inside CUDA graphs; deterministic (no atomics)."""
         m, k = ids.shape
         flat = ids.flatten()
@@ -100,13 +100,15 @@ class FusedExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group; empty groups allowed
         xs = x.index_select(0, order // k)
-        h = self.act(torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs),
-                     torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs))
+        h = self._act(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs))
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs).float()
         y = y * weights.flatten().index_select(0, order).unsqueeze(1)
         # Back to (token, slot) order, then a fixed-order sum over the k slots.
         pairs = torch.empty_like(y).index_copy_(0, order, y)
         return pairs.view(m, k, -1).sum(dim=1).to(x.dtype)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate_up[:, : self.shard], gate_up[:, self.shard:])
 
     def per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
@@ -123,7 +125,7 @@ class FusedExperts(nn.Module):
         for e, start, n in zip(*plan):
             tok = tokens[start:start + n]
             xe = x[tok]
-            h = self.act(F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e]))
+            h = self._act(F.linear(xe, self.w13[e]))
             y = F.linear(h, self.w2[e]).float() * token_weights[start:start + n, None]
             out.index_add_(0, tok, y)
         return out.to(x.dtype)
