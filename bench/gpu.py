@@ -18,6 +18,11 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
 - sleep: the decode model's own level-1 offload/restore against a pinned copy of the same
   bytes (bench/sleep.py's reference), then level-2 weights wake in ms per GiB mapped.
 - tail: bench/tail.py's CUDA section at TP 2 (virtual ranks), when the Triton tail exists.
+- k3: Kimi-K3 with its real layer shapes (hidden 7168, 96 KDA heads of 128, MLA with output
+  gate, latent MoE 3584, SiTU, attention residuals) cut to fit one GPU (K3_BENCH: 8 layers, 32
+  experts), decode eagerly (KDA's state rows are not in the graphs yet) against its floor:
+  weights as above, MLA KV of the MLA layers only, and each KDA layer's state rows read and
+  written once per sequence.
 
 Random weights are drawn on the GPU (the engine's TP-invariant CPU init would take minutes).
 """
@@ -45,6 +50,10 @@ from service.engine.plan import SeqChunk, StepPlan  # noqa: E402
 GIB = 1 << 30
 MID = {"num_hidden_layers": 24}  # small x 2 layers: 8.2 GB bf16, latent MoE
 PLAIN = {"moe_latent_size": None}  # small as plain DeepSeek-V3: 7.4 GB, loadable by transformers
+# k3's shapes on one GPU: 6 KDA + 2 MLA layers (3:1 as K3), 32 of 896 experts (top 16): ~15 GB bf16.
+K3_BENCH = {"num_hidden_layers": 8, "n_routed_experts": 32, "linear_attn_config": {
+    "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 96, "head_dim": 128,
+    "short_conv_kernel_size": 4, "use_full_rank_gate": True}}
 RESULTS: dict = {}
 
 
@@ -102,7 +111,8 @@ def timed(fn, device: str, n: int = 1) -> float:
 
 def decode_chunks(batch: int, context: int, block_size: int, token: int = 5) -> list[SeqChunk]:
     per = -(-(context + 1) // block_size)
-    return [SeqChunk(i, [token + i], context, list(range(i * per, (i + 1) * per))) for i in range(batch)]
+    return [SeqChunk(i, [token + i], context, list(range(i * per, (i + 1) * per)), state_slot=i)
+            for i in range(batch)]
 
 
 def active_expert_bytes(worker, chunks) -> tuple[int, int]:
@@ -134,8 +144,12 @@ def step_floor_bytes(worker, chunks) -> dict:
     experts_all = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
     experts_read, _ = active_expert_bytes(worker, chunks)
     cfg = model.config
-    kv = sum(c.start_pos + 1 for c in chunks) * cfg.kv_cache_dim * cfg.num_hidden_layers * embed.element_size()
-    return {"dense": dense, "experts_read": experts_read, "experts_all": experts_all, "kv": kv,
+    kv = sum(c.start_pos + 1 for c in chunks) * cfg.kv_cache_dim * len(cfg.mla_layers) * embed.element_size()
+    state = 0  # KDA rows: read and written once per sequence
+    for cache in worker.kv_caches:
+        if not isinstance(cache, torch.Tensor):
+            state += 2 * len(chunks) * sum(t[0].numel() * t.element_size() for t in (cache.conv, cache.recurrent))
+    return {"dense": dense, "experts_read": experts_read, "experts_all": experts_all, "kv": kv + state,
             "embed_rows": len(chunks) * embed.shape[1] * embed.element_size()}
 
 
@@ -166,10 +180,41 @@ def decode_llm(args, **kw) -> LLM:
     llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
                    cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
     RESULTS.setdefault("engine_up_s", {})[os.environ.get("LATENTSERVE_COMPILE", "1")] = time.perf_counter() - t0
-    with torch.no_grad():
-        for kv in llm.executor.rank0.kv_caches:
-            kv.normal_()
+    fill_caches(llm)
     return llm
+
+
+def fill_caches(llm: LLM) -> None:
+    """Real numbers in every KV slot a context reads; KDA state rows start from zero."""
+    with torch.no_grad():
+        for cache in llm.executor.rank0.kv_caches:
+            if isinstance(cache, torch.Tensor):
+                cache.normal_()
+            else:
+                cache.conv.zero_()
+                cache.recurrent.zero_()
+
+
+def bench_k3(args, bw: float) -> None:
+    """Kimi-K3's shapes cut to one GPU: eager decode step vs its floor."""
+    batches = [b for b in args.batches if b <= 64]
+    llm = make_llm(args.device, K3_BENCH, "k3", max_num_seqs=max(batches), kv_cache_memory_bytes=2 * GIB)
+    fill_caches(llm)
+    worker, rows = llm.executor.rank0, []
+    for batch in batches:
+        chunks = decode_chunks(batch, args.context, llm.config.block_size)
+        floor = step_floor_bytes(worker, chunks)
+        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        plan = StepPlan(chunks)
+        with torch.inference_mode():
+            worker.execute(plan)
+            ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
+        row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "eager_ms": ms,
+               "floor_fraction": need / bw * 1e3 / ms, **floor}
+        rows.append(row)
+        log(f"k3 decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
+    RESULTS["k3"] = {"overrides": K3_BENCH, "graphs": str(worker.decode_graphs), "decode": rows}
+    llm.shutdown()
 
 
 def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
@@ -443,6 +488,13 @@ def print_table(args, bw: float) -> None:
               f"restore {s['restore_gbps']:.1f} / {s['ref_in_gbps']:.1f} = {s['restore_ratio']:.2f}")
         print(f"level 2 weights wake: {s['level2_wake_ms_per_gib']:.2f} ms/GiB "
               f"({s['level2_weights_mapped'] / GIB:.2f} GiB mapped)")
+    k3 = RESULTS.get("k3")
+    if k3:
+        print(f"Kimi-K3 shapes, {K3_BENCH['num_hidden_layers']} layers (6 KDA + 2 MLA), "
+              f"{K3_BENCH['n_routed_experts']} experts, eager decode (ctx {args.context}):")
+        for r in k3["decode"]:
+            print(f"  batch {r['batch']:4d}: floor {r['floor_ms']:.3f} ms, eager {r['eager_ms']:.3f} ms, "
+                  f"floor/step {r['floor_fraction']:.3f}, {r['bytes'] / 1e9:.2f} GB read")
     for name, err in RESULTS.get("errors", {}).items():
         print(f"section {name} FAILED: {err.strip().splitlines()[-1]}")
 
@@ -476,7 +528,7 @@ def main() -> None:
     ap.add_argument("--hf-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sleep-cycles", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,tail")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,k3,tail")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -496,6 +548,8 @@ def main() -> None:
         section("sleep", bench_sleep, llm, args)
     if llm is not None:
         llm.shutdown()
+    if "k3" not in skip:
+        section("k3", bench_k3, args, bw)
     print_table(args, bw)
     if args.json:
         with open(args.json, "w") as f:
