@@ -8,10 +8,10 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
   host packing + one copy + replay) and eagerly. Floor = bytes a step must read (every weight
   but the embedding table, of the routed experts only those the step's tokens chose, plus the
   KV contexts) over the device copy bandwidth measured here (bytes read + written per second).
-  The same model is built three times in the run: decoder layers compiled inside the graphs
-  (the default), only the elementwise chains compiled (LATENTSERVE_COMPILE=chains, the path
-  before) and nothing compiled (LATENTSERVE_COMPILE=0); kernels per layer are counted by the
-  profiler over one graph replay of each.
+  The same model is built three times in the run: only the elementwise chains compiled (the
+  default), whole decoder layers compiled inside the graphs (LATENTSERVE_COMPILE=layers) and
+  nothing compiled (LATENTSERVE_COMPILE=0); kernels per layer are counted by the profiler over
+  one graph replay of each.
 - throughput: `small` with the latent MoE off (plain DeepSeek-V3, 7.4 GB), the same weights in
   our engine and in transformers' DeepseekV3ForCausalLM, batch 16, greedy; decode tokens/s by
   the protocol of scripts/anchors/decode_bench.py (full run minus a prefill-only run).
@@ -179,7 +179,7 @@ def decode_llm(args, **kw) -> LLM:
     t0 = time.perf_counter()
     llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
                    cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
-    RESULTS.setdefault("engine_up_s", {})[os.environ.get("LATENTSERVE_COMPILE", "1")] = time.perf_counter() - t0
+    RESULTS.setdefault("engine_up_s", {})[os.environ.get("LATENTSERVE_COMPILE", "chains")] = time.perf_counter() - t0
     fill_caches(llm)
     return llm
 
@@ -237,7 +237,7 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
 
 def mode_graph_ms(args, mode: str) -> dict:
     """Decode graph step ms per batch, and replay profiles, of the same model built with
-    LATENTSERVE_COMPILE=mode (0: nothing compiled; chains: the elementwise chains only)."""
+    LATENTSERVE_COMPILE=mode (0: nothing compiled; layers: whole decoder layers compiled)."""
     os.environ["LATENTSERVE_COMPILE"] = mode
     try:
         llm = decode_llm(args)
@@ -262,8 +262,8 @@ def mode_graph_ms(args, mode: str) -> dict:
 
 def bench_decode(args, bw: float) -> LLM:
     base = mode_graph_ms(args, "0")
-    chains = mode_graph_ms(args, "chains")
-    RESULTS["baselines"] = {"0": base, "chains": chains}
+    layers_mode = mode_graph_ms(args, "layers")
+    RESULTS["baselines"] = {"0": base, "layers": layers_mode}
     import torch._dynamo.utils as dynamo_utils
 
     llm = decode_llm(args, enable_sleep_mode="sleep" not in args.skip)
@@ -289,13 +289,13 @@ def bench_decode(args, bw: float) -> LLM:
                 b = graphs.batch_for(batch)
                 row["graph_ms"] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
                 row["uncompiled_graph_ms"] = base["ms"].get(batch, float("nan"))
-                row["chains_graph_ms"] = chains["ms"].get(batch, float("nan"))
+                row["layers_graph_ms"] = layers_mode["ms"].get(batch, float("nan"))
                 row["replay_ms"] = timed(graphs.graphs[b].replay, args.device, args.iters) * 1e3
                 if batch in args.profile_batches:
                     prof = profile_replay(graphs, batch, layers)
                     row["kernels_per_layer"] = prof["kernels_per_layer"]
                     row["replay_device_ms"] = prof["device_ms"]
-                    for name, other in (("chains", chains), ("uncompiled", base)):
+                    for name, other in (("layers", layers_mode), ("uncompiled", base)):
                         for p in other["profiles"]:
                             if p["batch"] == batch:
                                 row[f"{name}_kernels_per_layer"] = p["kernels_per_layer"]
@@ -317,7 +317,7 @@ def bench_decode(args, bw: float) -> LLM:
         prof = profile_eager_step(worker, decode_chunks(batch, args.context, bs), args.device)
         RESULTS.setdefault("profiles", []).append(prof)
         print(prof, flush=True)
-    for other in (base, chains):
+    for other in (base, layers_mode):
         for p in other["profiles"]:
             RESULTS.setdefault("baseline_profiles", []).append(p)
     return llm
@@ -463,16 +463,16 @@ def print_table(args, bw: float) -> None:
     up = {k: round(v, 1) for k, v in RESULTS.get("engine_up_s", {}).items()}
     print(f"decode graphs: compiled layers {compiled}; engine up (s) by LATENTSERVE_COMPILE: {up}")
     print(f"{'decode (ctx ' + str(args.context) + ')':16s} {'floor ms':>9s} {'graph ms':>9s} {'replay ms':>10s} "
-          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'chains ms':>10s} {'vs chains':>10s} "
-          f"{'no-compile ms':>14s} {'vs none':>8s} {'k/layer':>8s} {'chains k/l':>11s} {'none k/l':>9s}")
+          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'layers ms':>10s} {'vs layers':>10s} "
+          f"{'no-compile ms':>14s} {'vs none':>8s} {'k/layer':>8s} {'layers k/l':>11s} {'none k/l':>9s}")
     nan = float("nan")
     for r in RESULTS.get("decode", []):
         g = r.get("graph_ms", nan)
         print(f"{'batch ' + str(r['batch']):16s} {r['floor_ms']:9.3f} {g:9.3f} "
               f"{r.get('replay_ms', nan):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.3f} "
-              f"{r['bytes'] / 1e9:8.2f} {r.get('chains_graph_ms', nan):10.3f} {r.get('chains_graph_ms', nan) / g:10.2f} "
+              f"{r['bytes'] / 1e9:8.2f} {r.get('layers_graph_ms', nan):10.3f} {r.get('layers_graph_ms', nan) / g:10.2f} "
               f"{r.get('uncompiled_graph_ms', nan):14.3f} {r.get('uncompiled_graph_ms', nan) / g:8.2f} "
-              f"{r.get('kernels_per_layer', nan):8.1f} {r.get('chains_kernels_per_layer', nan):11.1f} "
+              f"{r.get('kernels_per_layer', nan):8.1f} {r.get('layers_kernels_per_layer', nan):11.1f} "
               f"{r.get('uncompiled_kernels_per_layer', nan):9.1f}")
     v = RESULTS.get("vs_transformers")
     if v:

@@ -102,6 +102,8 @@ def test_compiled_calls_route_module_calls_inside_the_block_only(monkeypatch):
 
 def test_compile_modes(monkeypatch):
     monkeypatch.delenv("LATENTSERVE_COMPILE", raising=False)
+    assert fusion.compile_enabled() and not fusion.layers_enabled()  # chains by default
+    monkeypatch.setenv("LATENTSERVE_COMPILE", "layers")
     assert fusion.compile_enabled() and fusion.layers_enabled()
     monkeypatch.setenv("LATENTSERVE_COMPILE", "chains")
     assert fusion.compile_enabled() and not fusion.layers_enabled()
@@ -130,7 +132,7 @@ def test_a_capture_the_compiled_layers_break_is_retried_uncompiled(monkeypatch):
 
     monkeypatch.setattr(cuda_graph, "DecodeGraphs", FakeGraphs)
     monkeypatch.setattr(cuda_graph, "unsupported_reason", lambda model, kv: None)
-    monkeypatch.delenv("LATENTSERVE_COMPILE", raising=False)
+    monkeypatch.setenv("LATENTSERVE_COMPILE", "layers")
     config = SimpleNamespace(enforce_eager=False, device="cuda", cuda_graph_batch_sizes=[1, 8], max_num_seqs=8,
                              block_size=16, max_model_len=64)
     graphs = cuda_graph.for_worker(None, [], config)

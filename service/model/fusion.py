@@ -14,8 +14,10 @@ elementwise ops (an RMSNorm is 7, rope 10, the router's group-limited top-k ~15)
 CPU tensors keep the eager function: nothing is launch-bound there and CI needs no compiler.
 A compiler failure turns that compiled path off for good (logged) and runs the eager code; an
 error of the computation itself propagates. LATENTSERVE_COMPILE picks the grain: `0` nothing
-compiled (the bench's baseline), `chains` only the `fused` chains (the path before whole
-layers), anything else (default `1`) both.
+compiled (the bench's baseline), `chains` (the default) only the `fused` chains, `layers` both.
+The default is `chains` because whole compiled layers measured slower on the H200 (bench/RESULTS.md,
+2026-12-03: 11.3 vs 5.5 ms at batch 1, 15.5 vs 9.6 ms at batch 64) although they run fewer kernels
+(52 vs 68 per layer).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ _RECOMPILE_LIMIT = 64
 
 
 def compile_mode() -> str:
-    """'off', 'chains' or 'layers' (LATENTSERVE_COMPILE=0 / chains / anything else)."""
-    value = os.environ.get("LATENTSERVE_COMPILE", "1").strip().lower()
-    return "off" if value == "0" else "chains" if value == "chains" else "layers"
+    """'off', 'chains' or 'layers' (LATENTSERVE_COMPILE=0 / chains, the default / layers)."""
+    value = os.environ.get("LATENTSERVE_COMPILE", "chains").strip().lower()
+    return "off" if value == "0" else "layers" if value == "layers" else "chains"
 
 
 def compile_enabled() -> bool:

@@ -22,7 +22,7 @@ if not torch.cuda.is_available() and not INTERPRET:
 from tail_cases import EPS, HIDDEN, LATENT, M_SEQUENCE, MAX_TOKENS, rel_err, tail_inputs, tail_weights  # noqa: E402
 
 from service.net import free_port  # noqa: E402
-from service.tail.base import TailTimeout, rms_norm, unfused_tail  # noqa: E402
+from service.tail.base import TailTimeout, latent_norm, unfused_tail  # noqa: E402
 from service.tail.triton_tail import VirtualTailGroup  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -31,7 +31,7 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 def _reference(routed, shared, norm, up):
     """The unfused tail with the all-reduces done as sums over the virtual ranks."""
-    latent = rms_norm(torch.stack(routed).sum(0), norm, EPS)
+    latent = latent_norm(torch.stack(routed).sum(0), norm, EPS)
     return latent @ up.t() + torch.stack(shared).sum(0)
 
 
