@@ -289,6 +289,9 @@ _KIMI_DEFAULTS = {
     "latent_moe_use_norm": False, "num_expert_group": 1, "topk_group": 1, "bos_token_id": 1, "eos_token_id": 2,
     "max_position_embeddings": 4096, "routed_expert_hidden_size": None, "moe_router_activation_func": "sigmoid",
     "moe_renormalize": True, "num_experts": None, "rope_interleave": False,
+    # KimiLinearConfig says False, but vLLM's Kimi MLA asserts True and transformers' KimiLinear
+    # never applies rope (nor writes the key): NoPE is the only reading that runs anywhere.
+    "mla_use_nope": True,
 }
 # Our fields that only a Kimi config.json carries.
 _KIMI_ONLY = ("model_type", "linear_attn_config", "mla_use_nope", "mla_use_output_gate", "attn_res_block_size",
@@ -296,6 +299,8 @@ _KIMI_ONLY = ("model_type", "linear_attn_config", "mla_use_nope", "mla_use_outpu
 
 
 def _from_kimi_keys(d: dict[str, Any]) -> dict[str, Any]:
+    if "max_position_embeddings" not in d and "model_max_length" in d:  # transformers' spelling
+        d = {**d, "max_position_embeddings": d["model_max_length"]}
     d = {**_KIMI_DEFAULTS, **d}
     if d.get("num_experts") is None:  # not an MoE model: every layer runs the dense MLP
         d["num_experts"] = 0

@@ -17,7 +17,8 @@ is transformers as it is. With its own eps the logits differ by O(1) (printed by
 What transformers writes is not quite a vLLM/Kimi checkpoint, and the tests say so where it
 matters: its save renames every `.mlp.` to `.block_sparse_moe.` (conversion_mapping.py
 "kimi_linear", applied in reverse), the dense layer's MLP included, and its config.json has no
-`mla_use_nope` (its KimiLinear is always NoPE; vLLM asserts `mla_use_nope`). Its `A_log` is
+`mla_use_nope` (its KimiLinear is always NoPE; vLLM asserts `mla_use_nope`; we read a missing key
+as NoPE). Its `A_log` is
 [1, 1, H, 1] on disk and it refuses our [H]. The greedy runs use the checkpoint as a Kimi one is
 written (dense MLP under `mlp.`, `mla_use_nope: true`, A_log as transformers wants it; our
 loader takes both A_log layouts).
@@ -221,10 +222,6 @@ def test_config_reads_as_transformers_means_it(hf_side):
     assert cfg.attn_res_block_size is None and not cfg.mla_use_output_gate
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "transformers' config.json has no mla_use_nope; our config then defaults to False and the MLA "
-    "layers run RoPE, which transformers' KimiLinear never does and vLLM refuses (assert use_nope, "
-    "amd/linear.py:399)"))
 def test_config_without_mla_use_nope_is_nope_or_refused(hf_side):
     hf, raw, kimi = hf_side
     cfg = ModelConfig.load(raw)
