@@ -14,6 +14,11 @@ each its own op. Stores are ordered on x86-64 (TSO), as the fused tail already r
 
 Every wait has a deadline (a step's collectives) or none (a follower idle between plans); a
 peer that died shows up as the deadline's error, naming the rank and the op.
+
+After a failed step the ranks may have stopped at different ops. `resync()` realigns them:
+a rank announces a new generation in its header, which ends every peer's pending wait with
+`GroupResync`; once every rank has joined, all agree on a fresh op number above any counter
+ever published, so no stale ready or done can be taken for a new op.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import torch
 
 from .tail.shm import _Segment, _tight_sleep_slack
 
-_HEADER = 64  # ready, done: int64 each, on their own cache line
-READY, DONE = 0, 1
+_HEADER = 64  # ready, done, gen, gen_ack: int64 each, on their own cache line
+READY, DONE, GEN, GEN_ACK = 0, 1, 2, 3
 SLOT_BYTES = int(os.environ.get("LATENTSERVE_SHM_SLOT_BYTES", 4 << 20))
 # Busy-poll briefly (peers usually answer within microseconds), then sleep in short steps: ranks
 # may share few cores, and spinning would steal the CPU a peer needs to answer.
@@ -38,6 +43,10 @@ _SPIN_S, _SLEEP_S, _IDLE_SLEEP_S = 30e-6, 20e-6, 500e-6
 
 class CollectiveTimeout(RuntimeError):
     """A shared-memory collective's peers did not answer in time (dead, stuck or out of step)."""
+
+
+class GroupResync(RuntimeError):
+    """A peer asked the group to resynchronise (its step failed): this collective was abandoned."""
 
 
 def segment_name(group_name: str, rank: int) -> str:
@@ -53,6 +62,7 @@ class ShmGroup:
         self.slot_bytes = slot_bytes
         self.deadline_s = deadline_s
         self._n = 0
+        self._gen = 0  # resync generation this rank has completed
         self._lock = threading.Lock()
         size = self.nbytes = _HEADER + 2 * slot_bytes
         own = _Segment(segment_name(group_name, rank), size, create=True)
@@ -64,7 +74,7 @@ class ShmGroup:
         self._segments = segs
         barrier()
         own.unlink()  # every rank mapped it: a rank killed without atexit leaks nothing
-        self._counters = [np.frombuffer(s.mm, dtype=np.int64, count=2) for s in segs]
+        self._counters = [np.frombuffer(s.mm, dtype=np.int64, count=4) for s in segs]
         self._slots = [[np.frombuffer(s.mm, dtype=np.uint8, count=slot_bytes, offset=_HEADER + k * slot_bytes)
                         for k in range(2)] for s in segs]
         self._closed = False
@@ -81,6 +91,9 @@ class ShmGroup:
             if now - start > _SPIN_S:
                 _tight_sleep_slack()
                 time.sleep(_IDLE_SLEEP_S if deadline_s is None and now - start > 0.01 else _SLEEP_S)
+            if self.resync_requested():
+                raise GroupResync(f"TP rank {self.rank}: shared-memory {what} (op {n}) abandoned: a peer "
+                                  f"asked the group to resynchronise (its step failed)")
             if deadline_s is not None and now - start > deadline_s:
                 raise CollectiveTimeout(f"TP rank {self.rank}: shared-memory {what} (op {n}) got no answer "
                                         f"within {deadline_s:g}s (a peer died, is stuck, or the ranks ran "
@@ -161,6 +174,44 @@ class ShmGroup:
     def barrier(self) -> None:
         with self._lock:
             self._exchange(np.zeros(0, dtype=np.uint8), "barrier")
+
+    # ---- recovery -------------------------------------------------------------------------
+    def resync_requested(self) -> bool:
+        """A peer announced a resync generation this rank has not joined yet."""
+        return any(int(c[GEN]) > self._gen for c in self._counters)
+
+    def resync(self, deadline_s: float | None) -> int:
+        """Realign every rank's op counter after a failed step; every rank calls it (a peer's
+        request ends pending waits with GroupResync). deadline_s None: wait for the peers as long
+        as it takes. Returns the agreed op number."""
+        with self._lock:
+            g = self._gen + 1
+            own = self._counters[self.rank]
+            own[GEN] = g  # peers' waits see it and leave their collectives
+            self._wait_all(GEN, g, "resync (join)", deadline_s)
+            # Nobody publishes ready/done while in resync: every rank reads the same counters.
+            base = max(int(v) for c in self._counters for v in (c[READY], c[DONE])) + 2
+            own[GEN_ACK] = g
+            self._wait_all(GEN_ACK, g, "resync (agree)", deadline_s)
+            # Above every counter published before: a stale ready or done never passes for a new op.
+            own[DONE] = base
+            own[READY] = base
+            self._n = base
+            self._gen = g
+            return base
+
+    def _wait_all(self, field: int, g: int, what: str, deadline_s: float | None) -> None:
+        start = time.perf_counter()
+        while True:
+            late = [p for p, c in enumerate(self._counters) if int(c[field]) < g]
+            if not late:
+                return
+            waited = time.perf_counter() - start
+            if deadline_s is not None and waited > deadline_s:
+                raise CollectiveTimeout(f"TP rank {self.rank}: shared-memory {what}, generation {g}: ranks "
+                                        f"{late} did not join within {deadline_s:g}s (dead or stuck)")
+            _tight_sleep_slack()
+            time.sleep(_IDLE_SLEEP_S if waited > 0.01 else _SLEEP_S)
 
     def close(self) -> None:
         if getattr(self, "_closed", True):

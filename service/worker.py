@@ -47,6 +47,8 @@ class RankWorker:
         self.kv_caches: list = []  # per layer: MLA KV blocks or a KDAState
         self.weight_version = 0
         self.failed: str | None = None
+        self.recoveries = 0  # failed steps after which every rank re-armed and served on
+        self.last_failure: str | None = None
         self.same_node = True
         self._exec_lock = threading.Lock()
         self._plan_lock = threading.Lock()
@@ -232,26 +234,39 @@ class RankWorker:
     def execute_step(self, plan: StepPlan) -> torch.Tensor | None:
         """Rank 0: send the plan to every rank, then run it here too."""
         self.check_runnable()
+        return self._lead(encode_message("step", plan), lambda: self.execute(plan))
+
+    def _lead(self, message, run):
+        """Rank 0: broadcast a plan or probe, then run it. A failure on any rank re-arms every
+        rank (recovery.py) before this raises, so the next plan runs on a clean TP group and tail."""
         with self._plan_lock:  # plans and probes reach the followers in one order
-            self.tp.broadcast_ints(encode_message("step", plan))
+            shm = self.tp.shm
+            if shm is not None and shm.resync_requested():  # a follower failed after the last plan
+                self._recover(None)
+                self.check_runnable()
             try:
-                return self.execute(plan)
+                self.tp.broadcast_ints(message)
+                return run()
             except Exception as e:
-                self._note_failure(e)
-                raise
+                err = self._recover(e)
+                if err is e:
+                    raise
+                raise err from e
 
-    def _note_failure(self, e: Exception) -> None:
-        from .tail.base import TailTimeout
+    def _recover(self, error: Exception | None):
+        from .recovery import recover
 
-        if isinstance(e, TailTimeout):
-            # The Lamport state is inconsistent now; only a restart can repair it.
-            self.failed = f"{type(e).__name__}: {e}"
-        log.error("execute_failed", rank=self.rank, error=f"{type(e).__name__}: {e}")
+        return recover(self, error)
 
     def follow(self) -> None:
-        """Ranks > 0: execute broadcast plans until a stop message."""
+        """Ranks > 0: execute broadcast plans until a stop message. A failed step (here or on a
+        peer) is recovered from in place (recovery.py); rank 0 reports the error to clients."""
         while True:
-            kind, payload = decode_message(self.tp.broadcast_ints(None, wait_forever=True))
+            try:
+                kind, payload = decode_message(self.tp.broadcast_ints(None, wait_forever=True))
+            except Exception as e:  # a peer asked for a resync, or the channel broke
+                self._recover(e)
+                continue
             if kind == "stop":
                 return
             try:
@@ -262,8 +277,8 @@ class RankWorker:
                         self._probe_cv.notify_all()
                 else:
                     self.execute(payload)
-            except Exception as e:  # keep following: rank 0 reports the error to clients
-                self._note_failure(e)
+            except Exception as e:  # keep following once every rank is re-armed
+                self._recover(e)
 
     def start_following(self) -> None:
         if self.rank == 0 or self.world_size == 1:
@@ -425,7 +440,8 @@ class RankWorker:
     def rpc_status(self) -> dict:
         return {"rank": self.rank, "node": self.node_id(), "asleep": sorted(self.pool.asleep_tags),
                 "weights_valid": self.pool.weights_valid, "weight_version": self.weight_version,
-                "failed": self.failed, "tail": self.tail_summary(), "tail_epochs": self.tail_epochs()}
+                "failed": self.failed, "recoveries": self.recoveries, "last_failure": self.last_failure,
+                "tail": self.tail_summary(), "tail_epochs": self.tail_epochs()}
 
     def rpc_zero_tail_flags(self) -> dict:
         """Negative control: lose the Lamport flags as the old level 2 did."""
@@ -441,10 +457,9 @@ class RankWorker:
         ranks answer with the result their follower loop got.
         """
         if self.rank == 0:
-            with self._plan_lock:
-                if self.world_size > 1:
-                    self.tp.broadcast_ints(encode_message("probe", list(token_ids)))
+            if self.world_size == 1:
                 return self._probe(token_ids)
+            return self._lead(encode_message("probe", list(token_ids)), lambda: self._probe(token_ids))
         with self._probe_cv:
             if not self._probe_cv.wait_for(lambda: self._probe_results, timeout):
                 raise TimeoutError(f"rank {self.rank}: no probe arrived from rank 0 within {timeout}s")

@@ -7,7 +7,9 @@ or one given by --url:
      after each of two sleep(2)+wake(weights)+wake(kv_cache) cycles, each compared token for
      token with the first; the fused path must have been taken on every rank;
   3. negative control on fresh ranks (POST /restart): the tail's Lamport flags are zeroed after
-     the first level-2 wake; the next generation must fail with a clear error, in time.
+     the first level-2 wake; the next generation must fail with a clear error, in time, and
+     the ranks must then re-arm in place: the generation after it (no restart) gives the
+     tokens of before the sleep.
 Prints the seed's result table with our numbers; exits 0 only if every column is P/P and the
 control failed in time.
 """
@@ -104,7 +106,7 @@ class Plan:
         out = Outcome("Negative control (flags zeroed after L2 #1)")
         self._timed(out, "restart (fresh ranks)", self.c.restart)
         on, out.fusion, _ = self.fusion()
-        self.generate(out, "before sleep")
+        first = self.generate(out, "before sleep")
         self._timed(out, "sleep(2)", self.c.sleep, 2)
         self._timed(out, "wake_up(weights)", self.c.wake_up, ["weights"])
         self.c.collective_rpc("zero_tail_flags")
@@ -125,7 +127,19 @@ class Plan:
             seconds = time.perf_counter() - t0
             out.columns.append(f"HANG: no answer within {seconds:.0f} s ({type(e).__name__})")
         out.timings.append(("generate (control)", seconds))
+        if out.ok:
+            out.ok = self._served_again(out, first)
         return out
+
+    def _served_again(self, out: Outcome, first: list[list[int]]) -> bool:
+        """After the failed request the ranks re-arm in place: the same tokens, no restart."""
+        try:
+            same = self.same(first, self.generate(out, "after the error (no restart)"))
+        except ServiceError as e:
+            out.columns[-1] += f"; NOT SERVED AGAIN without restart: HTTP {e.status}: {e.message[:200]}"
+            return False
+        out.columns[-1] += f"; then served again without restart: {same}"
+        return same == f"{len(self.prompts)}/{len(self.prompts)}"
 
     def _control_generate(self, bound: float) -> None:
         with Client(self.c.base_url, self.c.admin_key, timeout=bound + 30.0) as c:
@@ -181,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
             print_progress(runs[-1])
             runs.append(plan.control_run())
             print_progress(runs[-1])
-            if server is None:
+            if server is None and not runs[-1].ok:
                 c.restart()  # leave the given service healthy
     except Exception as e:
         print(f"verify-sleep: aborted: {type(e).__name__}: {e}")

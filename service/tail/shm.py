@@ -29,6 +29,7 @@ from .protocol import (
     EPOCH,
     EXCHANGES,
     GATHER,
+    INITIAL_FLAGS,
     NBUF,
     ROUTED,
     SHARED,
@@ -167,12 +168,15 @@ class ShmTailCollective:
         atexit.register(self.close)
         self._fill_empty(own.base)
         barrier()
+        rows = []
         for p in range(world_size):
             seg = own if p == rank else _Segment(segment_name(group_name, p), self.layout.total_bytes,
                                                  create=False)
             if p != rank:
                 self._segments.append(seg)
-            self.peer_ptrs[p] = torch.tensor(self.layout.ptr_row(seg.base), dtype=torch.int64)
+            rows.append(self.layout.ptr_row(seg.base))
+        self._rows = torch.tensor(rows, dtype=torch.int64)  # the table as built: rearm() restores it
+        self.peer_ptrs.copy_(self._rows)
         barrier()
         # Every rank has mapped every segment: the names are no longer needed, and unlinking
         # now means a rank killed without running atexit (e.g. a Ray actor) leaks nothing.
@@ -191,6 +195,17 @@ class ShmTailCollective:
         """What a wake that lost the flags would leave behind (negative control only)."""
         self.routed_flags.zero_()
         self.shared_flags.zero_()
+
+    def rearm(self) -> None:
+        """Re-arm this rank's side after a failed exchange: its own mailboxes refilled (sentinel
+        payloads, EMPTY tags), flags back to their initial values, the peer table as built.
+        Only while no peer writes (every rank out of its step) and followed by a barrier
+        before the next exchange: peers write into these mailboxes."""
+        self._fill_empty(self._segments[0].base)
+        init = torch.tensor(INITIAL_FLAGS, dtype=torch.int32)
+        self.routed_flags.copy_(init)
+        self.shared_flags.copy_(init)
+        self.peer_ptrs.copy_(self._rows)
 
     # ---- the collective -------------------------------------------------------
     def fused_tail(self, routed_partial: torch.Tensor, shared_partial: torch.Tensor,

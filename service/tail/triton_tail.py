@@ -26,6 +26,7 @@ from .protocol import EPOCH as _EPOCH
 from .protocol import (
     EXCHANGES,
     GATHER,
+    INITIAL_FLAGS,
     PTR_COLS,
     ROUTED,
     SHARED,
@@ -258,7 +259,9 @@ class TritonTailCollective:
             regions = _exchange_fds(own, group_name, rank, world_size, barrier)
             self._owned = regions
         rows = [lay.ptr_row(r.address) for r in regions]
-        self.peer_ptrs.copy_(torch.tensor(rows, dtype=torch.int64))
+        self._own_region = regions[rank]
+        self._rows = torch.tensor(rows, dtype=torch.int64)  # the table as built: rearm() restores it
+        self.peer_ptrs.copy_(self._rows)
 
     def _fill_empty(self, region) -> None:
         lay, view = self.layout, region.bytes()
@@ -278,6 +281,19 @@ class TritonTailCollective:
     def zero_flags(self) -> None:
         self.routed_flags.zero_()
         self.shared_flags.zero_()
+
+    def rearm(self) -> None:
+        """Re-arm this rank's side after a failed exchange: its own comm region refilled (sentinel
+        payloads, EMPTY tags), flags initial, the peer table as built, the error words cleared.
+        Only while no peer writes, and followed by a barrier before the next exchange."""
+        self._fill_empty(self._own_region)
+        init = torch.tensor(INITIAL_FLAGS, dtype=torch.int32, device=self.device)
+        self.routed_flags.copy_(init)
+        self.shared_flags.copy_(init)
+        self.peer_ptrs.copy_(self._rows)
+        self.err.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- the collective -------------------------------------------------------
     def fused_tail(self, routed_partial, shared_partial, norm_weight, up_weight, eps, *, check: bool = True):
@@ -430,6 +446,10 @@ class VirtualTailGroup:
     def zero_flags(self) -> None:
         for c in self.ranks:
             c.zero_flags()
+
+    def rearm(self) -> None:
+        for c in self.ranks:
+            c.rearm()
 
     def close(self) -> None:
         for region in self.regions:
