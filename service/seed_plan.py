@@ -57,17 +57,21 @@ def identical_counts(runs: dict[str, list[list[int]]]) -> dict[str, int]:
     return {name: sum(a == b for a, b in zip(first, toks)) for name, toks in runs.items() if name != "first"}
 
 
-def negative_control(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[str], float]:
-    """Zero the tail's flags after the first level-2 wake; the next generation must fail.
-    Returns (the requests' errors, seconds the failing generation took)."""
-    greedy_tokens(llm, prompts, params)
+def control_then_serve(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list[str], float, int]:
+    """The negative control: zero the tail's flags after the first level-2 wake; the next
+    generation must fail. Then one more with no restart (the ranks re-armed in place). Returns
+    (the failed requests' errors, seconds the failing generation took, prompts whose tokens
+    afterwards equal those before the control)."""
+    before = greedy_tokens(llm, prompts, params)
     llm.sleep(level=2)
     llm.wake_up(tags=["weights"])
     llm.wake_up(tags=["kv_cache"])
     llm.collective_rpc("zero_tail_flags")
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, timeout=120)
-    return [o.error for o in outs if o.error], time.monotonic() - t0
+    errors, elapsed = [o.error for o in outs if o.error], time.monotonic() - t0
+    after = greedy_tokens(llm, prompts, params)
+    return errors, elapsed, sum(a == b for a, b in zip(before, after))
 
 
 def check_control(errors: list[str], elapsed: float, deadline_s: float) -> None:

@@ -5,9 +5,9 @@ test_server_verify_sleep.py: CI keeps one TP-8 end-to-end run)."""
 from service import LLM, SamplingParams
 from service.seed_plan import (
     check_control,
+    control_then_serve,
     fused_everywhere,
     identical_counts,
-    negative_control,
     plan_prompts,
     run_plan,
 )
@@ -25,8 +25,9 @@ def test_seed_plan_tp2():
     assert identical_counts(runs) == {name: 16 for name in ("repeat", "after L1", "after L2 #1", "after L2 #2")}
 
 
-def test_negative_control_zeroed_flags_fails_fast():
+def test_negative_control_zeroed_flags_fails_fast_then_serves_again():
     deadline = 3.0
     with LLM("tiny", tail_deadline_s=deadline, **KW) as llm:
-        errors, elapsed = negative_control(llm, plan_prompts(), GREEDY)
+        errors, elapsed, same = control_then_serve(llm, plan_prompts(), GREEDY)
     check_control(errors, elapsed, deadline)
+    assert same == 16, f"after the failed step the ranks re-arm in place: {same}/16 prompts as before"

@@ -83,6 +83,31 @@ def test_lost_flags_end_in_timeout():
         group.close()
 
 
+def test_rearm_after_lost_flags_serves_again():
+    """Recovery in place (service/recovery.py): after the timeout every rank re-arms (own region
+    refilled, flags initial, error words cleared) and the next calls are right again."""
+    tp, dtype = 2, torch.float32
+    group = VirtualTailGroup(tp, max_tokens=16, latent_dim=LATENT, hidden_dim=HIDDEN, dtype=dtype,
+                             deadline_s=1.0, device=DEVICE)
+    up, norm = tail_weights(dtype, DEVICE)
+    try:
+        for i in range(4):
+            group.fused_tail(*tail_inputs(tp, 3, i, dtype, DEVICE), norm, up, EPS)
+        group.zero_flags()
+        with pytest.raises(TailTimeout):
+            for call in range(1, 4):
+                group.fused_tail(*tail_inputs(tp, 3, 10 + call, dtype, DEVICE), norm, up, EPS)
+        group.rearm()
+        for call in range(5):
+            routed, shared = tail_inputs(tp, 3 + call, 20 + call, dtype, DEVICE)
+            outs = group.fused_tail(routed, shared, norm, up, EPS)
+            assert rel_err(outs[0], _reference(routed, shared, norm, up)) < 1e-5, f"call {call} after rearm"
+            assert torch.equal(outs[0], outs[1])
+        assert [c.epoch() for c in group.ranks] == [1 + 5] * tp
+    finally:
+        group.close()
+
+
 def test_peer_table_is_what_the_kernels_use():
     tp, dtype = 2, torch.float32
     group = VirtualTailGroup(tp, max_tokens=16, latent_dim=LATENT, hidden_dim=HIDDEN, dtype=dtype,
