@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest a generation request may take (default env LATENTSERVE_REQUEST_TIMEOUT_S or 600)")
     s.add_argument("--enable-test-hooks", action="store_true",
                    help="allow state-changing collective_rpc hooks (negative controls); never in production")
+    s.add_argument("--weight-snapshot", choices=("off", "host"), default="off",
+                   help="host: copy the parameters each group/refs weight update wrote to the controller's "
+                        "memory, so POST /restart brings them back (path updates are reloaded from the path)")
     s.set_defaults(func=cmd_serve)
 
     v = sub.add_parser("verify-sleep", help="the seed's sleep test plan with its negative control")

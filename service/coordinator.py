@@ -136,7 +136,10 @@ class Coordinator:
         self._on_change = on_change
         # Weight transports by the update body's key; other sources register theirs here.
         self.weight_sources: dict[str, Callable[[object, int, float], list[dict]]] = {"path": self._load_path}
-        self.last_weights: dict | None = None  # what restart reloads
+        self.last_weights: dict | None = None  # the last update's source and version
+        # Called inside a successful update's transition (engine still paused) with (kind, source,
+        # version, timeout); what it returns goes into the answer (weight_restore.RestorePlan).
+        self.on_weights_updated: Callable[[str, object, int, float], dict] | None = None
 
     # ---- queries -----------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -353,11 +356,17 @@ class Coordinator:
                 s.weights_note = (f"level-2 sleep discarded weights this update did not include "
                                   f"({missing} still missing)")
             self.last_weights = {kind: source[kind], "version": version}
+            restart = None
+            if self.on_weights_updated is not None:
+                try:
+                    restart = self.on_weights_updated(kind, source[kind], version, timeout)
+                except Exception as e:  # the update itself succeeded: say so, and what a restart loses
+                    restart = {"error": f"{type(e).__name__}: {e}"}
             self._settle()
             seconds = time.perf_counter() - t0
             log.info("update_weights", source=kind, version=version, seconds=round(seconds, 3))
             return {"weight_version": version, "source": kind, "ranks": outcomes, "seconds": seconds,
-                    **self.snapshot()}
+                    "restart": restart, **self.snapshot()}
 
     def _load_path(self, path, version: int, timeout: float) -> list[dict]:
         if not isinstance(path, str) or not os.path.isdir(path):

@@ -49,6 +49,7 @@ class RankWorker:
         self.failed: str | None = None
         self.recoveries = 0  # failed steps after which every rank re-armed and served on
         self.last_failure: str | None = None
+        self.last_written: list[str] | None = None  # checkpoint names the last tensor update wrote
         self.same_node = True
         self._exec_lock = threading.Lock()
         self._plan_lock = threading.Lock()
@@ -390,11 +391,23 @@ class RankWorker:
     def _weights_loaded(self, version: int, t0: float, names: list[str] | None) -> dict:
         """names: the weights written (None: a whole checkpoint)."""
         self._stale = set() if names is None else self._stale - set(names)
+        self.last_written = names
         if not self._stale:
             self.pool.mark_weights_loaded()
         self.weight_version = version
         return {"rank": self.rank, "weight_version": version, "weights_valid": self.pool.weights_valid,
                 "missing_weights": len(self._stale), "seconds": round(time.perf_counter() - t0, 4)}
+
+    def snapshot_params(self) -> dict:
+        """Host copies of the parameters the last tensor update wrote (what /restart restores)."""
+        from .weight_restore import snapshot_params
+
+        return snapshot_params(self)
+
+    def restore_params(self, snapshot: dict, version: int) -> dict:
+        from .weight_restore import restore_params
+
+        return restore_params(self, snapshot, version)
 
     # ---- diagnostics -----------------------------------------------------------------
     def collective_rpc(self, method: str, *args, **kwargs):

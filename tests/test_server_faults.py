@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from service.client import Client, ServiceError
 from service.config import PRESETS
@@ -23,7 +24,7 @@ TAIL_DEADLINE_S = 5
 @pytest.fixture(scope="module")
 def server(server_factory):
     return server_factory("--enable-sleep-mode", "--sleep-preserve-parameter-names", "*", "--enable-test-hooks",
-                          "--tail-deadline-s", str(TAIL_DEADLINE_S))
+                          "--tail-deadline-s", str(TAIL_DEADLINE_S), "--weight-snapshot", "host")
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +95,25 @@ def test_lost_tail_flags_fail_one_request_then_the_ranks_rearm_and_serve_on(admi
 
 
 def test_rank_death_fails_requests_fast_and_restart_restores_the_last_weights(admin, tmp_path):
+    """The trainer's policy survives a restart: a checkpoint (path) and then a group broadcast on
+    top of it; after the rank death and /restart, the same tokens and version as before."""
     cfg = dataclasses.replace(PRESETS["tiny"], torch_dtype="float32")
     trained = str(tmp_path / "trained")
-    save_checkpoint(cfg, trained, {n: (-t if n == "lm_head.weight" else t)
-                                   for n, t in checkpoint_tensors(cfg, seed=0)})
-    version = admin.update_weights(trained)["weight_version"]
+    named = dict(checkpoint_tensors(cfg, seed=0))
+    save_checkpoint(cfg, trained, {n: (-t if n == "lm_head.weight" else t) for n, t in named.items()})
+    from_path = admin.update_weights(trained)
+    assert from_path["restart"]["restart_restores"] == "path"
+    path_tokens = generate(admin)
+    policy = {"lm_head.weight": torch.roll(named["lm_head.weight"], shifts=3, dims=0) * 2.0,
+              "model.norm.weight": named["model.norm.weight"] * 0.5}
+    r = admin.update_weights_from_group(policy)
+    version = r["weight_version"]
+    assert r["restart"]["restart_restores"] == "snapshot" and r["restart"]["bytes"] > 0
     expected = generate(admin)
-    assert expected[1] == version
+    assert expected[1] == version == from_path["weight_version"] + 1 and expected[0] != path_tokens[0]
+    restores = admin.status()["restart_restores"]
+    assert restores["source"] == "snapshot" and restores["weight_version"] == version
+    assert restores["path"] == trained and restores["snapshot"]["bytes"] > 0 and restores["lost"] is None
 
     box: dict = {}
 
@@ -130,6 +143,7 @@ def test_rank_death_fails_requests_fast_and_restart_restores_the_last_weights(ad
     assert e.value.status == 503
     report = admin.restart()
     assert report["weights_reloaded_from"] == trained and report["weight_version"] == version
+    assert report["restored"]["from"] == "path + snapshot" and report["note"] is None
     wait_health(admin, "ok")
-    assert generate(admin) == expected  # the trained weights, the same version
+    assert generate(admin) == expected  # the trained policy, the same version
     assert all(r["weight_version"] == version for r in admin.status()["ranks"])

@@ -68,6 +68,10 @@ def test_group_broadcast_in_buckets_after_level2(admin, reference):
     admin.wake_up(["kv_cache"])
     toks, version = _tokens(admin)
     assert toks == trained and version == r["weight_version"]
+    # Without --weight-snapshot a restart could not bring this update back, and the service says so.
+    assert r["restart"]["restart_restores"] == "base" and "group update" in r["restart"]["lost"]
+    restores = admin.status()["restart_restores"]
+    assert restores["mode"] == "off" and restores["source"] == "path" and "--weight-snapshot" in restores["lost"]
 
 
 TRAINER = """

@@ -54,13 +54,17 @@ class Route:
 
 class Controller:
     def __init__(self, config: EngineConfig, *, model_name: str, enable_test_hooks: bool = False,
-                 deadline_s: float | None = None, request_timeout_s: float | None = None):
+                 deadline_s: float | None = None, request_timeout_s: float | None = None,
+                 weight_snapshot: str = "off"):
+        from ..weight_restore import RestorePlan
+
         self.config = config
         self.model_name = model_name
         self.enable_test_hooks = enable_test_hooks
         self.deadline_s = deadline_s or float(os.environ.get("LATENTSERVE_RANK_DEADLINE_S", "120"))
         self.request_timeout_s = request_timeout_s or float(os.environ.get("LATENTSERVE_REQUEST_TIMEOUT_S", "600"))
         self.metrics = Metrics()
+        self.restore = RestorePlan(weight_snapshot)  # what POST /restart brings back
         self.started = time.time()
         self.executor = None
         self.coordinator: Coordinator | None = None
@@ -92,6 +96,8 @@ class Controller:
                                        deadline_s=self.deadline_s, on_change=self._state_changed)
         self.inbox, self.inbox_name = start_inbox()
         self.coordinator.weight_sources.update(sources(lambda: self.executor, cfg.model_config, self.inbox))
+        self.coordinator.on_weights_updated = lambda kind, source, version, timeout: self.restore.updated(
+            kind, source, version, self.executor.actors, timeout)
         self._state_changed(self.coordinator.state)
         self.health = {"ok": True, "reason": None}
         log.info("ready", seconds=round(time.perf_counter() - t0, 2), nodes=len(set(self.executor.nodes)),
@@ -314,10 +320,11 @@ class Controller:
                 "tp": n, "same_node": self.executor.same_node, "nodes": list(self.executor.nodes),
                 "ray": {"address": ray.get_runtime_context().gcs_address, "namespace": INBOX_NAMESPACE,
                         "weight_inbox": self.inbox_name},
-                "engine": engine, "ranks": ranks}
+                "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks}
 
     def restart(self) -> dict:
-        """Rebuild every rank: new actors, the last weights reloaded, the weight version kept."""
+        """Rebuild every rank: new actors, the served weights and their version brought back
+        (weight_restore.RestorePlan: the last path checkpoint, then the snapshot overlay)."""
         from ..executor import RayExecutor
 
         coord = self.coordinator
@@ -329,16 +336,7 @@ class Controller:
                 self._fail_all(503, "the ranks are restarting")
                 self._teardown(self.executor)
                 self.executor = RayExecutor(self.config)
-                version, reloaded = 0, None
-                last = coord.last_weights
-                if last and "path" in last:
-                    outcomes, _ = call_ranks(self.executor.actors, "update_weights_from_path",
-                                             [(last["path"], last["version"])] * len(self.executor.actors),
-                                             self.deadline_s)
-                    bad = [o["error"] for o in outcomes if not o["ok"]]
-                    if bad:
-                        raise CoordinationError(500, f"restart could not reload {last['path']}: {bad}", outcomes)
-                    version, reloaded = last["version"], last["path"]
+                version, restored = self.restore.restore(self.executor.actors, self.deadline_s)
                 coord.reset(self.executor, version)
                 self._missed = 0
                 self.health = {"ok": True, "reason": None}
@@ -347,10 +345,9 @@ class Controller:
                 self._state_changed(coord.state)
         seconds = time.perf_counter() - t0
         log.info("restarted", seconds=round(seconds, 2), weight_version=coord.state.weight_version)
-        note = None if reloaded or not coord.last_weights else \
-            f"the last weights came from {sorted(coord.last_weights)} and cannot be reloaded: initial weights"
-        return {"restarted": True, "seconds": seconds, "weights_reloaded_from": reloaded, "note": note,
-                **coord.snapshot()}
+        note = f"lost: {restored['lost']}; restored {restored['from']}" if restored["lost"] else None
+        return {"restarted": True, "seconds": seconds, "weights_reloaded_from": restored["path"],
+                "restored": restored, "note": note, **coord.snapshot()}
 
     @staticmethod
     def _teardown(executor) -> None:
