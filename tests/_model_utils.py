@@ -40,6 +40,11 @@ def full_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     return model.compute_logits(model(torch.tensor(tokens, device=device), meta, None))
 
 
+def params(model) -> dict[str, torch.Tensor]:
+    """A copy of every parameter, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def join_shards(name: str, parts: list[torch.Tensor], full_shape: torch.Size) -> torch.Tensor:
     """The full tensor from TP shards: concatenated along the one dim where they are smaller;
     replicas must agree. Expert w13 stacks each rank's gate and up shards, so those two are

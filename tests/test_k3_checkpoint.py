@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from _model_utils import build_model, full_logits, join_shards
+from _model_utils import build_model, full_logits, join_shards, params
 from safetensors.torch import load_file, save_file
 
 from service.config import PRESETS, ConfigError, ModelConfig, resolve_model
@@ -26,10 +26,6 @@ from service.weights import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 K3 = PRESETS["k3-tiny"]
-
-
-def params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_kimi_config_keys_map_to_the_model_and_back():

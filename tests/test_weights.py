@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _model_utils import build_model, join_shards
+from _model_utils import build_model, join_shards, params
 
 from service.config import PRESETS
 from service.parallel import TPGroup
@@ -29,10 +29,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = PRESETS["tiny"]
 
 
-
-
-def params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def shards(cfg, world: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
