@@ -9,6 +9,7 @@ This class knows nothing about Ray: `executor.py` wraps it in an actor.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import threading
@@ -23,6 +24,15 @@ from .net import free_port
 from .parallel import TPGroup, set_cpu_threads
 
 log = get_logger("worker")
+
+
+def _release_freed_heap() -> None:
+    """Hand the heap that a weight load freed (checkpoint slices, received buckets) back to the
+    OS: glibc keeps freed arenas, and an RLHF loop loads weights every cycle, so RSS would creep."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class EngineStateError(RuntimeError):
@@ -395,6 +405,7 @@ class RankWorker:
         if not self._stale:
             self.pool.mark_weights_loaded()
         self.weight_version = version
+        _release_freed_heap()
         return {"rank": self.rank, "weight_version": version, "weights_valid": self.pool.weights_valid,
                 "missing_weights": len(self._stale), "seconds": round(time.perf_counter() - t0, 4)}
 
