@@ -55,15 +55,19 @@ def sources(executor_of: Callable[[], object], model_config, inbox) -> dict:
     def group(spec, version: int, timeout: float) -> list[dict]:
         if not isinstance(spec, dict) or "port" not in spec or "tensors" not in spec:
             raise CoordinationError(422, 'group needs {"host", "port", "tensors": [{name, shape, dtype}], ...}')
+        tensors = spec["tensors"]
+        if not isinstance(tensors, list) or not all(isinstance(m, dict) for m in tensors):
+            raise CoordinationError(422, "group: tensors must be a list of {name, shape, dtype} objects")
         try:
-            metas = [TensorMeta.from_json(m) for m in spec["tensors"]]
+            metas = [TensorMeta.from_json(m) for m in tensors]
         except (KeyError, TypeError, ValueError) as e:
             raise CoordinationError(422, f"bad tensor list: {e}") from None
         _check(model_config, {m.name: (m.shape, m.dtype) for m in metas})
+        host, port, bucket, backend, join_s = _group_options(spec, timeout)
+        if not metas:
+            raise CoordinationError(422, "group: tensors must name at least one tensor")
         actors = executor_of().actors
-        args = (spec.get("host", "127.0.0.1"), int(spec["port"]), [m.to_json() for m in metas], version,
-                int(spec.get("bucket_bytes", DEFAULT_BUCKET_BYTES)), spec.get("backend", "gloo"),
-                float(spec.get("timeout_s", timeout)))
+        args = (host, port, [m.to_json() for m in metas], version, bucket, backend, join_s)
         outcomes, _ = call_ranks(actors, "update_weights_from_group", [args] * len(actors), timeout)
         return outcomes
 
@@ -79,6 +83,25 @@ def sources(executor_of: Callable[[], object], model_config, inbox) -> dict:
         return outcomes
 
     return {"group": group, "refs": refs}
+
+
+def _group_options(spec: dict, timeout: float) -> tuple[str, int, int, str, float]:
+    """host, port, bucket bytes, backend and join timeout of a group spec, checked before any rank
+    joins (a bad one would hold every rank in a group that never forms)."""
+    host, port = spec.get("host", "127.0.0.1"), spec["port"]
+    bucket, backend = spec.get("bucket_bytes", DEFAULT_BUCKET_BYTES), spec.get("backend", "gloo")
+    join_s = spec.get("timeout_s", timeout)
+    if not isinstance(host, str) or not host:
+        raise CoordinationError(422, f"group: host must be a host name or address, got {host!r}")
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise CoordinationError(422, f"group: port must be an integer in [1, 65535], got {port!r}")
+    if type(bucket) is not int or bucket < 1:
+        raise CoordinationError(422, f"group: bucket_bytes must be a positive integer, got {bucket!r}")
+    if backend not in ("gloo", "nccl"):
+        raise CoordinationError(422, f"group: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if isinstance(join_s, bool) or not isinstance(join_s, int | float) or not 0 < join_s <= timeout:
+        raise CoordinationError(422, f"group: timeout_s must be in (0, {timeout:g}] seconds, got {join_s!r}")
+    return host, port, bucket, backend, float(join_s)
 
 
 def _check(model_config, shapes: dict) -> None:

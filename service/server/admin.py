@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
 from ..coordinator import CoordinationError
+from ..worker import DIAGNOSTICS
 from .controller import Controller
 from .protocol import APIError
 
@@ -26,6 +28,31 @@ def require_admin(request: Request) -> None:
 
 
 router = APIRouter(dependencies=[Depends(require_admin)])
+Mode = Literal["abort", "wait", "keep"]  # what a pause or sleep does with the requests in flight
+MAX_TIMEOUT_S = 86400.0  # a day: longer waits overflow the clocks they end up in (and nobody means them)
+
+# Bodies these routes read themselves (any content type, see _json_object); published so the
+# schema (and clients generated from it, and the fuzzer) know them.
+_TENSOR_META = {"type": "object", "required": ["name", "shape", "dtype"], "properties": {
+    "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "dtype": {"type": "string", "enum": ["float32", "bfloat16", "float16"]}}}
+UPDATE_WEIGHTS_BODY = {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "minProperties": 1, "maxProperties": 1,
+    "description": "exactly one weight source (docs/rlhf.md)",
+    "properties": {
+        "path": {"type": "string", "description": "a checkpoint directory on the server"},
+        "group": {"type": "object", "required": ["port", "tensors"], "properties": {
+            "host": {"type": "string"}, "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+            "tensors": {"type": "array", "minItems": 1, "items": _TENSOR_META},
+            "bucket_bytes": {"type": "integer", "minimum": 1}, "backend": {"type": "string", "enum": ["gloo", "nccl"]},
+            "timeout_s": {"type": "number", "exclusiveMinimum": 0}}},
+        "refs": {"type": "object", "required": ["token"], "properties": {"token": {"type": "string"}}}}}}}}
+COLLECTIVE_RPC_BODY = {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["method"], "properties": {
+        "method": {"type": "string", "enum": list(DIAGNOSTICS),
+                   "description": "a read-only diagnostic (test hooks too with --enable-test-hooks)"},
+        "args": {"type": "array"}, "ranks": {"type": "array", "items": {"type": "integer"}},
+        "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}}}}}}
 
 
 def _ctl(request: Request) -> Controller:
@@ -62,15 +89,15 @@ async def _transition(ctl: Controller, op: str, fn, *args) -> dict:
 
 
 @router.post("/sleep")
-async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort"),
-                timeout: float | None = Query(None, gt=0)) -> dict:
+async def sleep(request: Request, level: int = Query(1, ge=0, le=2), mode: Mode = Query("abort"),
+                timeout: float | None = Query(None, gt=0, le=MAX_TIMEOUT_S)) -> dict:
     ctl = _ctl(request)
     return await _transition(ctl, "sleep", ctl.coordinator.sleep, level, mode, timeout)
 
 
 @router.post("/wake_up")
-async def wake_up(request: Request, tags: list[str] | None = Query(None),
-                  timeout: float | None = Query(None, gt=0)) -> dict:
+async def wake_up(request: Request, tags: list[Literal["weights", "kv_cache"]] | None = Query(None),
+                  timeout: float | None = Query(None, gt=0, le=MAX_TIMEOUT_S)) -> dict:
     ctl = _ctl(request)
     return await _transition(ctl, "wake_up", ctl.coordinator.wake_up, tags, timeout)
 
@@ -81,7 +108,8 @@ async def is_sleeping(request: Request) -> dict:
 
 
 @router.post("/pause")
-async def pause(request: Request, mode: str = Query("keep"), timeout: float | None = Query(None, gt=0)) -> dict:
+async def pause(request: Request, mode: Mode = Query("keep"),
+                timeout: float | None = Query(None, gt=0, le=MAX_TIMEOUT_S)) -> dict:
     ctl = _ctl(request)
     return await _transition(ctl, "pause", ctl.coordinator.pause, mode, timeout)
 
@@ -92,8 +120,8 @@ async def resume(request: Request) -> dict:
     return await _transition(ctl, "resume", ctl.coordinator.resume)
 
 
-@router.post("/update_weights")
-async def update_weights(request: Request, timeout: float | None = Query(None, gt=0)) -> dict:
+@router.post("/update_weights", openapi_extra={"requestBody": UPDATE_WEIGHTS_BODY})
+async def update_weights(request: Request, timeout: float | None = Query(None, gt=0, le=MAX_TIMEOUT_S)) -> dict:
     """The body names one weight source: {"path": DIR} here; other transports register their key."""
     ctl = _ctl(request)
     body = await _json_object(request)
@@ -108,7 +136,7 @@ async def status(request: Request) -> dict:
     return await asyncio.to_thread(ctl.status)
 
 
-@router.post("/collective_rpc")
+@router.post("/collective_rpc", openapi_extra={"requestBody": COLLECTIVE_RPC_BODY})
 async def collective_rpc(request: Request) -> dict:
     ctl = _ctl(request)
     body = await _json_object(request)
@@ -119,8 +147,9 @@ async def collective_rpc(request: Request) -> dict:
             not (ranks is None or isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
         raise APIError(422, "body: {'method': str, 'args': list?, 'ranks': [int]?, 'timeout': seconds?}",
                        param="method")
-    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-        raise APIError(422, "timeout must be a positive number of seconds", param="timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not 0 < timeout <= MAX_TIMEOUT_S):
+        raise APIError(422, f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]", param="timeout")
     if ctl.restarting:
         raise APIError(503, "the ranks are restarting; retry shortly", retry=True)
     outcomes = await asyncio.to_thread(ctl.collective_rpc, method, args, kwargs, timeout, ranks)

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..client import SERVER_KEEP_ALIVE_S
 from ..engine_config import EngineConfig
@@ -58,6 +59,16 @@ def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
         body = APIError(422, msg, param=where or None, code="invalid_parameter").body()
         return JSONResponse(body, status_code=422, headers={"x-should-retry": "false"})
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        # The framework's own answers (unknown path, wrong method, a body that is not JSON) in
+        # OpenAI's error shape like every other error.
+        count(request, e.status_code)
+        codes = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
+        body = APIError(e.status_code, str(e.detail), code=codes.get(e.status_code, "http_error")).body()
+        headers = {**(e.headers or {}), "x-should-retry": "false"}
+        return JSONResponse(body, status_code=e.status_code, headers=headers)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
         count(request, 500)
@@ -68,6 +79,8 @@ def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
     @app.get("/health")
     async def health():
         ok, body = controller.health_report()
+        if not ok:  # the status report, plus the error shape every other error answer has
+            body["error"] = APIError(503, body.get("reason") or "unhealthy", code="unhealthy").body()["error"]
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

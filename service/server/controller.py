@@ -8,6 +8,7 @@ queues; a health watcher pings every rank about once a second. Blocking Ray call
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import os
 import threading
@@ -22,7 +23,7 @@ from ..log import get_logger
 from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
 from ..weight_transports import INBOX_NAMESPACE
-from ..worker import DIAGNOSTICS, TEST_HOOKS
+from ..worker import DIAGNOSTICS, TEST_HOOKS, RankWorker
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -293,6 +294,10 @@ class Controller:
                            param="method")
         if kwargs:
             raise APIError(422, "collective_rpc takes positional args only", param="kwargs")
+        try:  # a wrong argument count is the caller's error, not every rank's
+            inspect.signature(getattr(RankWorker, "rpc_" + method)).bind(None, *args)
+        except TypeError as e:
+            raise APIError(422, f"collective_rpc({method}): {e}", param="args") from None
         actors = self.executor.actors
         targets = set(range(len(actors)) if ranks is None else ranks)
         if not targets <= set(range(len(actors))):
