@@ -6,40 +6,17 @@ flags fails with the TailTimeout message, the next generation gives the tokens o
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from _thread_ranks import run_ranks
 
 from service.shm_group import CollectiveTimeout, GroupResync, ShmGroup
 from service.tail.base import TailTimeout, latent_norm
 from service.tail.protocol import INITIAL_FLAGS
 from service.tail.shm import ShmTailCollective
-
-
-def run_ranks(world: int, fn, make, timeout: float = 60.0) -> list:
-    """fn(rank, obj, barrier) on `world` thread ranks, obj = make(rank, barrier); results or exceptions."""
-    barrier = threading.Barrier(world)
-    results: list = [None] * world
-
-    def rank(r: int) -> None:
-        obj = make(r, barrier.wait)
-        try:
-            results[r] = fn(r, obj, barrier.wait)
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            results[r] = e
-        finally:
-            obj.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results
 
 
 def _group(world: int, deadline_s: float = 20.0):

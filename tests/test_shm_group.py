@@ -5,39 +5,22 @@ peer that never answers ends in a clear error at the deadline instead of a hang.
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from _thread_ranks import run_ranks as thread_ranks
 
 from service.engine.plan import SeqChunk, StepPlan, decode_message, encode_message
 from service.shm_group import CollectiveTimeout, ShmGroup
 
 
 def run_ranks(world: int, fn, slot_bytes: int = 4096, deadline_s: float = 20.0) -> list:
-    """fn(group) on `world` ranks; returns each rank's result (or raised exception)."""
+    """fn(group) on `world` thread ranks; returns each rank's result (or raised exception)."""
     name = f"test{os.getpid()}-{time.monotonic_ns()}"
-    barrier = threading.Barrier(world)
-    results: list = [None] * world
-
-    def rank(r: int) -> None:
-        g = ShmGroup(r, world, name, barrier.wait, deadline_s=deadline_s, slot_bytes=slot_bytes)
-        try:
-            results[r] = fn(g)
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            results[r] = e
-        finally:
-            g.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results
+    return thread_ranks(world, lambda r, g, barrier: fn(g), lambda r, barrier: ShmGroup(
+        r, world, name, barrier, deadline_s=deadline_s, slot_bytes=slot_bytes))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
