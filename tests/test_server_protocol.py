@@ -65,3 +65,25 @@ def test_admin_api_is_off_without_a_key():
         r = client.request(method, path, headers={"Authorization": "Bearer anything"})
         assert r.status_code == 403, path
         assert "admin API is off" in r.json()["error"]["message"] and "--admin-key" in r.json()["error"]["message"]
+
+
+# The body `vllm bench serve --backend openai` sends to /v1/completions
+# (vllm/benchmarks/lib/endpoint_request_func.py, async_request_openai_completions, vLLM 0.32)
+# with --temperature 0 and the random dataset's ignore_eos.
+VLLM_BENCH_SERVE_BODY = {"model": "tiny", "prompt": "t5 t6 t7", "repetition_penalty": 1.0, "max_tokens": 8,
+                         "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+                         "ignore_eos": True, "temperature": 0.0}
+
+
+def test_vllm_bench_serve_body_is_accepted_and_repetition_penalty_is_checked():
+    req = CompletionRequest(**VLLM_BENCH_SERVE_BODY)  # was a 422: repetition_penalty is not an OpenAI field
+    p = req.sampling_params()
+    assert (p.max_tokens, p.temperature, p.ignore_eos, p.logprobs, req.stream, req.include_usage) == \
+        (8, 0.0, True, None, True, True)
+    assert CompletionRequest(prompt="x", repetition_penalty=None).sampling_params().max_tokens == 16
+    for value in (1.2, 0.5):  # a penalty we would silently not apply is refused instead
+        with pytest.raises(APIError) as e:
+            CompletionRequest(prompt="x", repetition_penalty=value).sampling_params()
+        assert (e.value.status, e.value.param, e.value.code) == (422, "repetition_penalty", "unsupported_parameter")
+    with pytest.raises(APIError, match="repetition_penalty"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], repetition_penalty=2.0).sampling_params()

@@ -66,6 +66,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # extensions
+    repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` always sends 1.0
     top_k: int = -1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -76,6 +77,9 @@ class _SamplingFields(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(422, f"{name} is not supported", param=name, code="unsupported_parameter")
+        if self.repetition_penalty not in (None, 1.0):
+            raise APIError(422, "repetition_penalty other than 1.0 is not supported", param="repetition_penalty",
+                           code="unsupported_parameter")
         return dict(n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, seed=self.seed,
                     stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
