@@ -32,6 +32,32 @@ from .layers import (
 )
 
 
+def _write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slots, latent.to(kv_cache.dtype))
+
+
+@torch.library.custom_op("latentserve::write_kv", mutates_args=("kv_cache",))
+def _write_kv_op(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:
+    _write_kv(kv_cache, slots, latent)
+
+
+@_write_kv_op.register_fake
+def _(kv_cache, slots, latent) -> None:
+    return None
+
+
+def write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:
+    """Each token's [c_kv | k_pe] into its cache slot. Under torch.compile (decoder layers
+    compiled inside the CUDA graphs) the write is an opaque op that mutates the cache: traced as
+    a view's index_copy_ that a later kernel (MLA decode) reads, Inductor functionalized it into
+    an out-of-place copy of the whole cache plus a copy back, two ~140 us kernels per layer on
+    the H200 (bench/RESULTS.md, 2026-12-03), which made compiled layers 2x slower than eager."""
+    if torch.compiler.is_compiling():
+        torch.ops.latentserve.write_kv(kv_cache, slots, latent)
+    else:
+        _write_kv(kv_cache, slots, latent)
+
+
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int]:
     return (num_blocks, block_size, cfg.kv_cache_dim)
 
@@ -211,8 +237,7 @@ class MLAAttention(nn.Module):
         else:
             if meta.slot_mapping is None:
                 raise ValueError("the chunks' block tables do not cover their context: cannot use the KV cache")
-            flat = kv_cache.view(-1, kv_cache.shape[-1])
-            flat.index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+            write_kv(kv_cache, meta.slot_mapping, latent)
             if not meta.prefill_chunks:  # decodes only (token i is decode i): no gather, no scatter
                 out = self._absorbed_decode(q, kv_cache, meta)
             elif meta.decode_token_idx.numel():
