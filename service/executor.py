@@ -9,15 +9,14 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .coordinator import error_text
 from .engine_config import EngineConfig
-from .executor_base import AllRankCalls
+from .executor_base import Executor, first_line
 from .log import get_logger
 from .rank_actor import RankActor
 
@@ -34,7 +33,7 @@ def ensure_ray(address: str | None) -> None:
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
 
 
-class RayExecutor(AllRankCalls):
+class RayExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.config = config
         tp = config.tensor_parallel_size
@@ -65,7 +64,6 @@ class RayExecutor(AllRankCalls):
         infos = ray.get([a.init.remote(addr, self.same_node, group) for a in self.actors])
         ray.get([a.start.remote() for a in self.actors])
         self.rank0 = self.actors[0]
-        self._pool = ThreadPoolExecutor(max_workers=max(4, tp))
         log.info("cluster_ready", tp=tp, nodes=len(set(nodes)), seconds=round(time.perf_counter() - t0, 2),
                  fused_layers=infos[0]["tail"]["fused"])
 
@@ -78,26 +76,15 @@ class RayExecutor(AllRankCalls):
         order = sorted(range(tp), key=lambda i: (key.get(b2n.get(i), (2, "")), i))
         return order, [b2n.get(i, "?") for i in order]
 
-    # ---- all-rank calls with a deadline ------------------------------------------------
-    def call_all(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list[dict]:
-        """Call `method` on every rank in parallel; one outcome dict per rank, never raises."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        deadline = time.monotonic() + timeout
-        outcomes = []
-        for rank, ref in enumerate(refs):
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                outcomes.append({"rank": rank, "ok": True, "result": ray.get(ref, timeout=left)})
-            except ray.exceptions.GetTimeoutError:
-                outcomes.append({"rank": rank, "ok": False, "timeout": True,
-                                 "error": f"rank {rank} missed the {timeout:.0f}s deadline for {method}"})
-            except Exception as e:
-                outcomes.append({"rank": rank, "ok": False, "error": error_text(e)})
-        return outcomes
+    # ---- the executor interface ------------------------------------------------------
+    def submit(self, rank: int, method: str, *args, **kwargs) -> Future:
+        return getattr(self.actors[rank], method).remote(*args, **kwargs).future()
 
-    def rank0_call(self, method: str, *args, timeout: float | None = None):
-        """Call a method on rank 0's actor and wait for it."""
-        return ray.get(getattr(self.rank0, method).remote(*args), timeout=timeout)
+    def is_dead(self, e: BaseException) -> bool:
+        return isinstance(e, ray.exceptions.RayActorError)
+
+    def error_text(self, e: BaseException) -> str:
+        return error_text(e)
 
     def put(self, value):
         return ray.put(value)
@@ -107,6 +94,9 @@ class RayExecutor(AllRankCalls):
             ray.get(self.rank0.stop.remote(), timeout=20)
         except Exception:
             pass
+        self.kill()
+
+    def kill(self) -> None:
         for a in self.actors:
             try:
                 ray.kill(a)
@@ -116,3 +106,11 @@ class RayExecutor(AllRankCalls):
             remove_placement_group(self.pg)
         except Exception:
             pass
+
+
+def error_text(e: BaseException) -> str:
+    """The innermost message of a Ray task failure, without Ray's traceback framing."""
+    cause = getattr(e, "cause", None)
+    if cause is not None and not isinstance(cause, ray.exceptions.RayError):
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(e).__name__}: {first_line(e)}"

@@ -1,16 +1,21 @@
 """UniExecutor: TP 1 in this process, no Ray. For machines without Ray (the GPU box) and tools.
 
-It offers the same surface as RayExecutor (rank0_call, call_all, collective_rpc, put), so the
-offline LLM works unchanged on top of it.
+It implements the executor interface (executor_base.Executor) like RayExecutor and MpExecutor:
+each call runs on a thread of a small pool, as Ray's threaded actors run theirs, so a control
+call (sleep, wake, diagnostics) is answered while a generate waits and a deadline can pass.
+`rank0` is the RankActor itself (tools reach into its model and caches).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from .engine_config import EngineConfig
+from .executor_base import Executor
 from .rank_actor import RankActor
 
 
-class UniExecutor:
+class UniExecutor(Executor):
     def __init__(self, config: EngineConfig):
         if config.tensor_parallel_size != 1:
             raise ValueError("the 'uni' executor runs TP 1 only; use 'ray' for tensor parallelism")
@@ -21,24 +26,26 @@ class UniExecutor:
         self.rank0.init("", True, "uni")
         self.rank0.start()
         self.actors = [self.rank0]
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rank0", initializer=self._thread_init)
 
-    def rank0_call(self, method: str, *args, timeout: float | None = None):
-        return getattr(self.rank0, method)(*args)
+    def _thread_init(self) -> None:
+        device = getattr(self.rank0, "device", None)
+        if device is not None and device.type == "cuda":  # the current device is per thread
+            import torch
 
-    def put(self, value):
-        return value
+            torch.cuda.set_device(device)
 
-    def call_all(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list[dict]:
-        try:
-            return [{"rank": 0, "ok": True, "result": getattr(self.rank0, method)(*args, **kwargs)}]
-        except Exception as e:
-            return [{"rank": 0, "ok": False, "error": f"{type(e).__name__}: {e}"}]
-
-    def collective_rpc(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list:
-        return [self.rank0.collective_rpc(method, *args, **kwargs)]
+    def submit(self, rank: int, method: str, *args, **kwargs) -> Future:
+        if rank != 0:
+            raise IndexError(f"the 'uni' executor has rank 0 only, not {rank}")
+        return self._pool.submit(getattr(self.rank0, method), *args, **kwargs)
 
     def alive(self, timeout: float = 2.0) -> list[bool]:
         return [True]
 
     def shutdown(self) -> None:
         self.rank0.stop()
+        self._pool.shutdown(wait=False)
+
+    def kill(self) -> None:
+        self.shutdown()

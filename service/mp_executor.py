@@ -21,10 +21,9 @@ import time
 import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from .engine_config import EngineConfig
-from .executor_base import AllRankCalls
+from .executor_base import Executor, RankGone
 from .log import get_logger
 
 log = get_logger("mp_executor")
@@ -107,7 +106,7 @@ class RankProcess:
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
-            fut.set_exception(RuntimeError(f"rank {self.rank} process exited (exit code {self.proc.exitcode})"))
+            fut.set_exception(RankGone(f"rank {self.rank} process exited (exit code {self.proc.exitcode})"))
 
     def ready(self, timeout: float):
         return self._ready.result(timeout)
@@ -116,11 +115,15 @@ class RankProcess:
         fut: Future = Future()
         with self._lock:
             if not self._reader.is_alive():
-                fut.set_exception(RuntimeError(f"rank {self.rank} process is not running"))
+                fut.set_exception(RankGone(f"rank {self.rank} process is not running"))
                 return fut
             call_id = next(self._ids)
             self._pending[call_id] = fut
-            self.conn.send((call_id, method, args, kwargs))
+            try:
+                self.conn.send((call_id, method, args, kwargs))
+            except (BrokenPipeError, OSError) as e:
+                self._pending.pop(call_id, None)
+                fut.set_exception(RankGone(f"rank {self.rank} process is not running ({e})"))
         return fut
 
     def close(self, timeout: float = 10.0) -> None:
@@ -141,8 +144,8 @@ def _gpus_visible() -> int:
     return torch.cuda.device_count()
 
 
-class MpExecutor(AllRankCalls):
-    """Same surface as RayExecutor and UniExecutor (rank0_call, call_all, collective_rpc, put)."""
+class MpExecutor(Executor):
+    """The executor interface (executor_base.Executor) over one spawned process per rank."""
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0):
         tp = config.tensor_parallel_size
@@ -178,28 +181,8 @@ class MpExecutor(AllRankCalls):
         log.info("cluster_ready", tp=tp, backend="mp", seconds=round(time.perf_counter() - t0, 2),
                  fused_layers=infos[0]["tail"]["fused"])
 
-    def rank0_call(self, method: str, *args, timeout: float | None = None):
-        return self.rank0.call(method, *args).result(timeout)
-
-    def put(self, value):
-        return value
-
-    def call_all(self, method: str, *args, timeout: float = 60.0, **kwargs) -> list[dict]:
-        """Call `method` on every rank in parallel; one outcome dict per rank, never raises."""
-        futures = [r.call(method, *args, **kwargs) for r in self.ranks]
-        deadline = time.monotonic() + timeout
-        outcomes = []
-        for rank, fut in enumerate(futures):
-            try:
-                result = fut.result(max(0.0, deadline - time.monotonic()))
-                outcomes.append({"rank": rank, "ok": True, "result": result})
-            except FutureTimeout:
-                outcomes.append({"rank": rank, "ok": False, "timeout": True,
-                                 "error": f"rank {rank} missed the {timeout:.0f}s deadline for {method}"})
-            except Exception as e:
-                first = (str(e).strip().splitlines() or [""])[0]
-                outcomes.append({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {first}"})
-        return outcomes
+    def submit(self, rank: int, method: str, *args, **kwargs) -> Future:
+        return self.ranks[rank].call(method, *args, **kwargs)
 
     def shutdown(self) -> None:
         try:
@@ -207,6 +190,10 @@ class MpExecutor(AllRankCalls):
         except Exception:
             pass
         self._close_all()
+
+    def kill(self) -> None:
+        for r in self.ranks:
+            r.close(timeout=0.0)
 
     def _close_all(self) -> None:
         for r in self.ranks:

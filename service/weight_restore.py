@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .coordinator import CoordinationError, call_ranks
+from .lifecycle import CoordinationError
 from .log import get_logger
 
 log = get_logger("weight_restore")
@@ -46,24 +46,24 @@ class RestorePlan:
         self.last_snapshot_seconds: float | None = None
 
     # ---- after each successful update (inside the update's transition) -------------------
-    def updated(self, kind: str, source, version: int, actors: list, timeout: float) -> dict:
+    def updated(self, kind: str, source, version: int, executor, timeout: float) -> dict:
         """Record what a restart needs to bring this update back; returns a short report."""
         if kind == "path":
             self.base_path, self.base_version = source, version
             self.overlay, self.overlay_version, self.overlay_sources, self.lost = None, None, [], None
             return {"restart_restores": "path", "path": source}
         if self.mode == "off":
-            self.lost = (f"the {kind} update to version {version} (start the server with --weight-snapshot host "
-                         f"to keep tensor updates across restarts)")
+            self.lost = (f"the {kind} update to version {version} (a host weight snapshot, serve --weight-snapshot "
+                         f"host or LLM(weight_snapshot='host'), keeps tensor updates across restarts)")
             return {"restart_restores": "base", "lost": self.lost}
         t0 = time.perf_counter()
-        outcomes, _ = call_ranks(actors, "snapshot_params", [()] * len(actors), timeout)
+        outcomes, _ = executor.call_ranks("snapshot_params", [()] * executor.world_size, timeout)
         bad = [o["error"] for o in outcomes if not o["ok"]]
         if bad:
             self.lost = f"the {kind} update to version {version}: its snapshot failed ({'; '.join(bad)})"
             log.error("snapshot_failed", version=version, error=self.lost)
             return {"restart_restores": "base", "lost": self.lost}
-        overlay = self.overlay or [{} for _ in actors]
+        overlay = self.overlay or [{} for _ in outcomes]
         for per_rank, o in zip(overlay, outcomes):
             per_rank.update(o["result"])
         self.overlay, self.overlay_version, self.lost = overlay, version, None
@@ -75,20 +75,20 @@ class RestorePlan:
         return {"restart_restores": "snapshot", **snap}
 
     # ---- at restart ---------------------------------------------------------------------
-    def restore(self, actors: list, timeout: float) -> tuple[int, dict]:
+    def restore(self, executor, timeout: float) -> tuple[int, dict]:
         """Bring fresh ranks to the served weights; returns (weight_version, report)."""
-        n = len(actors)
+        n = executor.world_size
         version, report = 0, {"from": "startup weights", "path": None, "snapshot": None}
         if self.base_path is not None:
-            outcomes, _ = call_ranks(actors, "update_weights_from_path", [(self.base_path, self.base_version)] * n,
-                                     timeout)
+            outcomes, _ = executor.call_ranks("update_weights_from_path", [(self.base_path, self.base_version)] * n,
+                                              timeout)
             bad = [o["error"] for o in outcomes if not o["ok"]]
             if bad:
                 raise CoordinationError(500, f"restart could not reload {self.base_path}: {bad}", outcomes)
             version, report["path"], report["from"] = self.base_version, self.base_path, "path"
         if self.overlay is not None:
-            outcomes, _ = call_ranks(actors, "restore_params", [(p, self.overlay_version) for p in self.overlay],
-                                     timeout)
+            outcomes, _ = executor.call_ranks("restore_params", [(p, self.overlay_version) for p in self.overlay],
+                                              timeout)
             bad = [o["error"] for o in outcomes if not o["ok"]]
             if bad:
                 raise CoordinationError(500, f"restart could not restore the weight snapshot: {bad}", outcomes)

@@ -13,11 +13,10 @@ Every source validates names, shapes and dtypes before any rank changes a weight
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 
 import ray
 
-from .coordinator import CoordinationError, call_ranks
+from .lifecycle import CoordinationError
 from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
 
 INBOX_NAMESPACE = "latentserve"
@@ -49,10 +48,10 @@ def start_inbox() -> tuple[object, str]:
     return actor, name
 
 
-def sources(executor_of: Callable[[], object], model_config, inbox) -> dict:
-    """Weight sources for `Coordinator.weight_sources`; `executor_of()` is the current executor."""
+def sources(model_config, inbox) -> dict:
+    """Weight sources for `Coordinator.weight_sources`: (executor, spec, version, timeout) -> outcomes."""
 
-    def group(spec, version: int, timeout: float) -> list[dict]:
+    def group(executor, spec, version: int, timeout: float) -> list[dict]:
         if not isinstance(spec, dict) or "port" not in spec or "tensors" not in spec:
             raise CoordinationError(422, 'group needs {"host", "port", "tensors": [{name, shape, dtype}], ...}')
         tensors = spec["tensors"]
@@ -66,21 +65,18 @@ def sources(executor_of: Callable[[], object], model_config, inbox) -> dict:
         host, port, bucket, backend, join_s = _group_options(spec, timeout)
         if not metas:
             raise CoordinationError(422, "group: tensors must name at least one tensor")
-        actors = executor_of().actors
         args = (host, port, [m.to_json() for m in metas], version, bucket, backend, join_s)
-        outcomes, _ = call_ranks(actors, "update_weights_from_group", [args] * len(actors), timeout)
-        return outcomes
+        return executor.call_ranks("update_weights_from_group", [args] * executor.world_size, timeout)[0]
 
-    def refs(spec, version: int, timeout: float) -> list[dict]:
+    def refs(executor, spec, version: int, timeout: float) -> list[dict]:
         if not isinstance(spec, dict) or "token" not in spec:
             raise CoordinationError(422, 'refs needs {"token": ...} from WeightInbox.deposit')
         try:
             named_refs = ray.get(inbox.take.remote(spec["token"]), timeout=timeout)
         except Exception as e:
             raise CoordinationError(400, f"refs: {getattr(e, 'cause', None) or e}") from None
-        actors = executor_of().actors
-        outcomes, _ = call_ranks(actors, "update_weights_from_refs", [(named_refs, version)] * len(actors), timeout)
-        return outcomes
+        n = executor.world_size
+        return executor.call_ranks("update_weights_from_refs", [(named_refs, version)] * n, timeout)[0]
 
     return {"group": group, "refs": refs}
 

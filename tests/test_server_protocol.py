@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from service.coordinator import LifecycleState
 from service.engine_config import EngineConfig
+from service.lifecycle import LifecycleState
 from service.server.app import create_app
 from service.server.controller import Controller
 from service.server.protocol import APIError, ChatCompletionRequest, CompletionRequest

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import service.weight_restore as wr
 from service import LLM, SamplingParams
 from service.config import PRESETS
 from service.weight_restore import RestorePlan
@@ -23,27 +22,36 @@ class FakeRank:
         self.rank, self.calls = rank, []
 
 
-@pytest.fixture
-def fake_calls(monkeypatch):
-    """call_ranks(actors, method, args) answered by a dict of method -> fn(rank, *args)."""
-    answers: dict = {}
+class FakeRanks(list):
+    """An executor whose call_ranks(method, args) is answered by a dict of method -> fn(rank, *args)."""
 
-    def call_ranks(actors, method, args_per_rank, timeout):
+    def __init__(self, answers: dict, n: int):
+        super().__init__(FakeRank(r) for r in range(n))
+        self.answers = answers
+
+    @property
+    def world_size(self) -> int:
+        return len(self)
+
+    def call_ranks(self, method, args_per_rank, timeout):
         out = []
-        for a, args in zip(actors, args_per_rank):
+        for a, args in zip(self, args_per_rank):
             a.calls.append((method, args))
             try:
-                out.append({"rank": a.rank, "ok": True, "result": answers[method](a.rank, *args)})
+                out.append({"rank": a.rank, "ok": True, "result": self.answers[method](a.rank, *args)})
             except Exception as e:  # noqa: BLE001
                 out.append({"rank": a.rank, "ok": False, "error": str(e)})
         return out, {}
 
-    monkeypatch.setattr(wr, "call_ranks", call_ranks)
-    return answers
+
+@pytest.fixture
+def fake_calls():
+    """The answers of FakeRanks' calls: method -> fn(rank, *args)."""
+    return {}
 
 
 def test_plan_replays_path_then_the_merged_snapshots(fake_calls):
-    ranks = [FakeRank(0), FakeRank(1)]
+    ranks = FakeRanks(fake_calls, 2)
     plan = RestorePlan("host")
     snaps = iter([{"a": torch.ones(2), "b": torch.ones(3)}, {"b": torch.full((3,), 2.0)}])
     current = {}
@@ -70,7 +78,7 @@ def test_plan_replays_path_then_the_merged_snapshots(fake_calls):
 
 
 def test_plan_without_snapshots_says_what_a_restart_would_lose(fake_calls):
-    ranks = [FakeRank(0)]
+    ranks = FakeRanks(fake_calls, 1)
     plan = RestorePlan("off")
     plan.updated("path", "/ckpt/1", 1, ranks, 5)
     r = plan.updated("group", {}, 2, ranks, 5)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from ..coordinator import CoordinationError
+from ..lifecycle import CoordinationError
 from ..worker import DIAGNOSTICS
 from .controller import Controller
 from .protocol import APIError

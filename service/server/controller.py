@@ -1,8 +1,10 @@
 """The controller: the TP ranks of one model, its coordinator, and the routing of engine outputs.
 
-One background poller long-polls rank 0 for new outputs and routes them to per-request asyncio
-queues; a health watcher pings every rank about once a second. Blocking Ray calls
-(transitions, restart) run in worker threads so the event loop keeps streaming.
+The ranks and their lifecycle (sleep, wake, weight updates, pause/resume, restart) belong to the
+`Coordinator` the offline `LLM` uses too; the controller adds what HTTP needs: one background
+poller long-polls rank 0 for new outputs and routes them to per-request asyncio queues, and a
+health watcher pings every rank about once a second. Blocking calls (transitions, restart) run
+in worker threads so the event loop keeps streaming.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ..coordinator import CoordinationError, Coordinator, call_ranks, error_text
+from ..coordinator import Coordinator
 from ..engine_config import EngineConfig
+from ..lifecycle import CoordinationError
 from ..log import get_logger
 from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
@@ -57,17 +60,14 @@ class Controller:
     def __init__(self, config: EngineConfig, *, model_name: str, enable_test_hooks: bool = False,
                  deadline_s: float | None = None, request_timeout_s: float | None = None,
                  weight_snapshot: str = "off"):
-        from ..weight_restore import RestorePlan
-
         self.config = config
         self.model_name = model_name
         self.enable_test_hooks = enable_test_hooks
         self.deadline_s = deadline_s or float(os.environ.get("LATENTSERVE_RANK_DEADLINE_S", "120"))
         self.request_timeout_s = request_timeout_s or float(os.environ.get("LATENTSERVE_REQUEST_TIMEOUT_S", "600"))
         self.metrics = Metrics()
-        self.restore = RestorePlan(weight_snapshot)  # what POST /restart brings back
+        self.weight_snapshot = weight_snapshot  # what POST /restart keeps of tensor updates
         self.started = time.time()
-        self.executor = None
         self.coordinator: Coordinator | None = None
         self.tokenizer = None
         self.health: dict = {"ok": False, "reason": "loading"}
@@ -92,17 +92,24 @@ class Controller:
                  sleep_mode=cfg.enable_sleep_mode, fused_tail=cfg.fused_tail)
         # The controller's own copy only turns token ids into strings for logprobs.
         self.tokenizer = get_tokenizer(cfg.model, cfg.model_config)
-        self.executor = RayExecutor(cfg)
-        self.coordinator = Coordinator(self.executor, sleep_enabled=cfg.enable_sleep_mode,
-                                       deadline_s=self.deadline_s, on_change=self._state_changed)
+        self.coordinator = Coordinator(RayExecutor(cfg), sleep_enabled=cfg.enable_sleep_mode,
+                                       deadline_s=self.deadline_s, on_change=self._state_changed,
+                                       weight_snapshot=self.weight_snapshot)
         self.inbox, self.inbox_name = start_inbox()
-        self.coordinator.weight_sources.update(sources(lambda: self.executor, cfg.model_config, self.inbox))
-        self.coordinator.on_weights_updated = lambda kind, source, version, timeout: self.restore.updated(
-            kind, source, version, self.executor.actors, timeout)
+        self.coordinator.weight_sources.update(sources(cfg.model_config, self.inbox))
         self._state_changed(self.coordinator.state)
         self.health = {"ok": True, "reason": None}
         log.info("ready", seconds=round(time.perf_counter() - t0, 2), nodes=len(set(self.executor.nodes)),
                  same_node=self.executor.same_node)
+
+    @property
+    def executor(self):
+        """The ranks (the coordinator's; a restart replaces them)."""
+        return self.coordinator.executor if self.coordinator is not None else None
+
+    @property
+    def restore(self):
+        return self.coordinator.restore
 
     async def start_background(self) -> None:
         self._poller = asyncio.create_task(self._poll_loop(), name="rank0-poller")
@@ -130,17 +137,20 @@ class Controller:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def rank0(self, method: str, *args, timeout: float | None = None):
-        ref = getattr(self.executor.rank0, method).remote(*args)
+        executor = self.executor
+        fut = executor.submit(0, method, *args)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout or self.deadline_s)
-        except ray.exceptions.RayActorError as e:
-            raise APIError(503, f"rank 0 is gone: {error_text(e)}; POST /restart") from e
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, InvalidRequest):
-                raise APIError(400, str(e.cause), code="invalid_request") from e
-            raise APIError(500, f"rank 0 failed {method}: {error_text(e)}") from e
-        except TimeoutError as e:
-            raise APIError(504, f"rank 0 did not answer {method} within {timeout or self.deadline_s:g}s") from e
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout or self.deadline_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not fut.done():  # asyncio.wait_for's TimeoutError
+                raise APIError(504, f"rank 0 did not answer {method} within {timeout or self.deadline_s:g}s") from e
+            if executor.is_dead(e):
+                raise APIError(503, f"rank 0 is gone: {executor.error_text(e)}; POST /restart") from e
+            if isinstance(e, InvalidRequest):
+                raise APIError(400, str(getattr(e, "cause", None) or e), code="invalid_request") from e
+            raise APIError(500, f"rank 0 failed {method}: {executor.error_text(e)}") from e
 
     def check_generation(self) -> None:
         if self.restarting:
@@ -181,7 +191,7 @@ class Controller:
         unfinished = [rid for rid in route.request_ids if rid not in route.finished]
         if unfinished and self.executor is not None:
             try:
-                self.executor.rank0.abort.remote(unfinished)  # fire and forget
+                self.executor.submit(0, "abort", unfinished)  # fire and forget
             except Exception:
                 pass
 
@@ -213,8 +223,7 @@ class Controller:
         raise APIError(500, message, code="engine_error")
 
     def _dead_ranks(self) -> list[str]:
-        actors = self.executor.actors
-        outcomes, _ = call_ranks(actors, "collective_rpc", [("ping",)] * len(actors), timeout=2.0)
+        outcomes = self.executor.call_all("collective_rpc", "ping", timeout=2.0)
         return [o["error"] for o in outcomes if o.get("dead")]
 
     async def _poll_loop(self) -> None:
@@ -249,11 +258,10 @@ class Controller:
             try:
                 self._check_ranks()
             except Exception as e:  # the watcher must outlive anything it observes
-                log.error("health_watch_failed", error=error_text(e))
+                log.error("health_watch_failed", error=f"{type(e).__name__}: {e}")
 
     def _check_ranks(self) -> None:
-        actors = self.executor.actors
-        outcomes, _ = call_ranks(actors, "collective_rpc", [("status",)] * len(actors), timeout=2.0)
+        outcomes = self.executor.call_all("collective_rpc", "status", timeout=2.0)
         self.metrics.ranks_alive.set(sum(o["ok"] for o in outcomes))
         dead = [o for o in outcomes if o.get("dead")]
         failed = [o["result"] for o in outcomes if o["ok"] and o["result"].get("failed")]
@@ -298,19 +306,18 @@ class Controller:
             inspect.signature(getattr(RankWorker, "rpc_" + method)).bind(None, *args)
         except TypeError as e:
             raise APIError(422, f"collective_rpc({method}): {e}", param="args") from None
-        actors = self.executor.actors
-        targets = set(range(len(actors)) if ranks is None else ranks)
-        if not targets <= set(range(len(actors))):
-            raise APIError(422, f"ranks must be within [0, {len(actors)})", param="ranks")
-        args_per_rank = [(method, *args) if r in targets else None for r in range(len(actors))]
-        outcomes, _ = call_ranks(actors, "collective_rpc", args_per_rank, timeout or self.deadline_s)
-        return outcomes
+        n = self.executor.world_size
+        targets = set(range(n) if ranks is None else ranks)
+        if not targets <= set(range(n)):
+            raise APIError(422, f"ranks must be within [0, {n})", param="ranks")
+        args_per_rank = [(method, *args) if r in targets else None for r in range(n)]
+        return self.executor.call_ranks("collective_rpc", args_per_rank, timeout or self.deadline_s)[0]
 
     def status(self) -> dict:
-        actors = self.executor.actors
-        n = len(actors)
-        status, _ = call_ranks(actors, "collective_rpc", [("status",)] * n, timeout=10.0)
-        memory, _ = call_ranks(actors, "collective_rpc", [("memory_report",)] * n, timeout=10.0)
+        executor = self.executor
+        n = executor.world_size
+        status = executor.call_all("collective_rpc", "status", timeout=10.0)
+        memory = executor.call_all("collective_rpc", "memory_report", timeout=10.0)
         ranks = []
         for s, m in zip(status, memory):
             entry = dict(s["result"]) if s["ok"] else {"rank": s["rank"], "error": s["error"]}
@@ -318,58 +325,28 @@ class Controller:
             entry["memory"] = m["result"] if m["ok"] else {"error": m["error"]}
             ranks.append(entry)
         try:
-            engine = ray.get(self.executor.rank0.engine_stats.remote(), timeout=10.0)
+            engine = executor.rank0_call("engine_stats", timeout=10.0)
         except Exception as e:
-            engine = {"error": error_text(e)}
+            engine = {"error": executor.error_text(e)}
         return {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
-                "tp": n, "same_node": self.executor.same_node, "nodes": list(self.executor.nodes),
+                "tp": n, "same_node": executor.same_node, "nodes": list(executor.nodes),
                 "ray": {"address": ray.get_runtime_context().gcs_address, "namespace": INBOX_NAMESPACE,
                         "weight_inbox": self.inbox_name},
                 "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks}
 
     def restart(self) -> dict:
-        """Rebuild every rank: new actors, the served weights and their version brought back
-        (weight_restore.RestorePlan: the last path checkpoint, then the snapshot overlay)."""
+        """Rebuild every rank through the coordinator (the served weights and their version come
+        back); requests in flight fail with 503 and new ones wait for the fresh ranks."""
         from ..executor import RayExecutor
 
-        coord = self.coordinator
-        t0 = time.perf_counter()
-        with coord.restarting():
-            self.restarting = True
-            self._state_changed(coord.state)
-            try:
-                self._fail_all(503, "the ranks are restarting")
-                self._teardown(self.executor)
-                self.executor = RayExecutor(self.config)
-                version, restored = self.restore.restore(self.executor.actors, self.deadline_s)
-                coord.reset(self.executor, version)
-                self._missed = 0
-                self.health = {"ok": True, "reason": None}
-            finally:
-                self.restarting = False
-                self._state_changed(coord.state)
-        seconds = time.perf_counter() - t0
-        log.info("restarted", seconds=round(seconds, 2), weight_version=coord.state.weight_version)
-        note = f"lost: {restored['lost']}; restored {restored['from']}" if restored["lost"] else None
-        return {"restarted": True, "seconds": seconds, "weights_reloaded_from": restored["path"],
-                "restored": restored, "note": note, **coord.snapshot()}
-
-    @staticmethod
-    def _teardown(executor) -> None:
-        """Stop the old ranks: gracefully when all answer, else kill them (a collective with a dead
-        peer could block a graceful stop)."""
-        from ray.util.placement_group import remove_placement_group
-
-        outcomes, _ = call_ranks(executor.actors, "collective_rpc", [("ping",)] * len(executor.actors), 5.0)
-        if all(o["ok"] for o in outcomes):
-            executor.shutdown()
-            return
-        for a in executor.actors:
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
+        self.restarting = True
+        self._state_changed(self.coordinator.state)
         try:
-            remove_placement_group(executor.pg)
-        except Exception:
-            pass
+            self._fail_all(503, "the ranks are restarting")
+            report = self.coordinator.restart(lambda: RayExecutor(self.config))
+            self._missed = 0
+            self.health = {"ok": True, "reason": None}
+        finally:
+            self.restarting = False
+            self._state_changed(self.coordinator.state)
+        return report
