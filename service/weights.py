@@ -88,8 +88,10 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
         specs.append(WeightSpec(name, shape, param or name, shard_dim, kind=kind))
 
     def mlp(prefix: str, inter: int, param: str | None = None) -> None:
-        for proj, shape, dim in (("gate_proj", (inter, h), 0), ("up_proj", (inter, h), 0), ("down_proj", (h, inter), 1)):
-            add(f"{prefix}.{proj}.weight", shape, dim, param=f"{param or prefix}.{proj}.weight")
+        fused = f"{param or prefix}.gate_up_proj.weight"  # one GEMM for gate and up, as w13
+        for i, proj in enumerate(("gate_proj", "up_proj")):
+            specs.append(WeightSpec(f"{prefix}.{proj}.weight", (inter, h), fused, 0, part=(i, 2)))
+        add(f"{prefix}.down_proj.weight", (h, inter), 1, param=f"{param or prefix}.down_proj.weight")
 
     add("model.embed_tokens.weight", (cfg.vocab_size, h), 0)
     for i in range(cfg.num_hidden_layers):

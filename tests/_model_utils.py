@@ -47,8 +47,11 @@ def params(model) -> dict[str, torch.Tensor]:
 
 def join_shards(name: str, parts: list[torch.Tensor], full_shape: torch.Size) -> torch.Tensor:
     """The full tensor from TP shards: concatenated along the one dim where they are smaller;
-    replicas must agree. Expert w13 stacks each rank's gate and up shards, so those two are
-    joined separately."""
+    replicas must agree. Expert w13 and the MLPs' gate_up_proj stack each rank's gate and up
+    shards, so those two are joined separately."""
+    if name.endswith("gate_up_proj.weight"):
+        halves = [p.unflatten(0, (2, -1)) for p in parts]
+        return join_shards("", halves, (2, full_shape[0] // 2, full_shape[1])).flatten(0, 1)
     if name.endswith("experts.w13"):
         halves = [p.unflatten(1, (2, -1)) for p in parts]
         return join_shards("", halves, halves[0].shape[:2] + (full_shape[1] // 2, full_shape[2])).flatten(1, 2)

@@ -65,7 +65,10 @@ def test_dummy_init_scale_and_seed():
 def test_parameter_names_are_hf_names_with_fused_experts():
     names = {n for n, _ in build_model(TINY, seed=None).named_parameters()}
     hf = set(expected_weights(TINY))
-    assert {n for n in hf if ".experts." not in n} == {n for n in names if ".experts." not in n}
+    # The MLPs' gate and up are one gate_up_proj parameter (one GEMM), as the experts' w13.
+    fused = {n.replace("gate_proj", "gate_up_proj") for n in hf if n.endswith(".gate_proj.weight") and ".experts." not in n}
+    plain = {n for n in hf if ".experts." not in n and not n.endswith((".gate_proj.weight", ".up_proj.weight"))}
+    assert plain | fused == {n for n in names if ".experts." not in n}
     assert {n for n in names if ".experts." in n} == {
         f"model.layers.{i}.mlp.experts.{w}" for i in range(1, TINY.num_hidden_layers) for w in ("w13", "w2")}
     assert all(not p.requires_grad for p in build_model(TINY, seed=None).parameters())

@@ -174,12 +174,14 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.act = act_and_mul(cfg)
-        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, intermediate_size, tp, dtype)
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, intermediate_size, tp, dtype)
+        # Gate rows, then up rows (this rank's shard of each): one GEMM for both.
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * intermediate_size, tp, dtype)
+        self.shard = intermediate_size // tp.world_size
         self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, tp, dtype)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)), reduce=reduce)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate_up[..., : self.shard], gate_up[..., self.shard:]), reduce=reduce)
 
 
 # ---- rotary embedding ---------------------------------------------------------------------
