@@ -6,6 +6,8 @@ Under Ray each method runs on its own actor thread (max_concurrency), so control
 
 from __future__ import annotations
 
+import threading
+
 from .engine_config import EngineConfig
 from .worker import RankWorker
 
@@ -16,6 +18,7 @@ class RankActor(RankWorker):
     def __init__(self, rank: int, config: EngineConfig):
         super().__init__(rank, config)
         self.loop = None
+        self._stopped = threading.Event()
 
     def start(self) -> None:
         if self.rank != 0:
@@ -67,7 +70,14 @@ class RankActor(RankWorker):
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.loop.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
+    def park(self, timeout: float = 3600.0) -> bool:
+        """Block until this rank stops (True) or `timeout` passes (False). The controller keeps
+        one such call open per rank, so a rank's death fails it at once instead of waiting for
+        the next health ping."""
+        return self._stopped.wait(timeout)
+
     def stop(self) -> None:
+        self._stopped.set()
         if self.loop is not None:
             self.loop.stop()
             self.stop_followers()

@@ -498,9 +498,13 @@ class RankWorker:
         return {"rank": self.rank, "nan": bool(torch.isnan(logits).any()),
                 "argmax": int(logits[-1].nan_to_num(-1e30).argmax())}
 
-    def rpc_fail_next_sleep(self) -> dict:
-        self._fail_next_sleep = True
-        return {"rank": self.rank}
+    def rpc_fail_next_sleep(self, rank: int | None = None) -> dict:
+        """Test hook: this rank's next sleep raises before it releases anything (one shot).
+        With `rank` only that rank arms it (`collective_rpc("fail_next_sleep", 1)`)."""
+        armed = rank is None or rank == self.rank
+        if armed:
+            self._fail_next_sleep = True
+        return {"rank": self.rank, "armed": armed}
 
     def shutdown(self) -> None:
         if self.collective is not None:

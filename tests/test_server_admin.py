@@ -209,16 +209,20 @@ def test_pause_and_resume(admin, reference):
 
 
 def test_failed_sleep_on_one_rank_is_rolled_back(admin, reference):
-    admin.collective_rpc("fail_next_sleep", ranks=[1])
+    armed = admin.collective_rpc("fail_next_sleep", ranks=[1])  # a one-shot failure on rank 1
+    assert [a["rank"] for a in armed] == [1]
     with pytest.raises(ServiceError) as e:
         admin.sleep(1)
     err = e.value
     assert err.status == 500 and "injected sleep failure" in err.message
+    assert "rolled back: every rank is awake" in err.message and "rank 1" in err.message
+    assert set(err.body["error"]) == {"message", "type", "param", "code"} and err.body["error"]["code"] == "sleep_failed"
     ranks = {r["rank"]: r for r in err.ranks}
     assert ranks[0]["ok"] and ranks[0]["rolled_back"] == "woken"
     assert not ranks[1]["ok"] and "injected" in ranks[1]["error"] and ranks[1]["rolled_back"] == "was awake"
     assert not admin.is_sleeping()
-    assert [r["asleep"] for r in admin.status()["ranks"]] == [[], []]
+    status = admin.status()
+    assert [r["asleep"] for r in status["ranks"]] == [[], []] and status["state"] == "running"
     assert generate(admin)[0] == reference
 
 

@@ -1,8 +1,11 @@
-"""Sleep rules through the offline API at TP 2 (DESIGN §2): what level 2 frees, refusals, poisoning."""
+"""Sleep rules through the offline API at TP 2 (DESIGN §2): what level 2 frees, refusals, poisoning,
+and a sleep that fails on one rank (a one-shot failure armed on rank 1 through collective_rpc)
+rolled back by the coordinator so that no rank stays asleep."""
 
 import pytest
 
 from service import LLM, SamplingParams
+from service.llm import SleepError
 from service.weights import checkpoint_tensors
 from service.worker import EngineStateError
 
@@ -72,3 +75,38 @@ def test_interleaved_layout_reports_mixed_chunks():
         # mixed chunks were kept, so only parameter-only chunks lost their contents
         llm.update_weights(checkpoint_tensors(llm.config.model_config, seed=0))
         assert _toks(llm) == before
+
+
+def _arm_rank1(llm) -> None:
+    armed = llm.collective_rpc("fail_next_sleep", 1)  # the worker's test hook, one shot, rank 1 only
+    assert [a["armed"] for a in armed] == [False, True]
+
+
+def test_sleep_failing_on_one_rank_leaves_no_rank_asleep(llm):
+    before = _toks(llm)
+    _arm_rank1(llm)
+    with pytest.raises(SleepError, match=r"rolled back: every rank is awake.*rank 1: injected sleep failure") as e:
+        llm.sleep(level=1)
+    assert e.value.status == 500
+    outcome = {o["rank"]: o for o in e.value.outcomes}
+    assert outcome[0]["ok"] and outcome[0]["rolled_back"] == "woken"  # it had slept: woken again
+    assert not outcome[1]["ok"] and outcome[1]["rolled_back"] == "was awake"
+    assert [s["asleep"] for s in llm.collective_rpc("status")] == [[], []]
+    assert not llm.is_sleeping() and llm.status()["state"] == "running"
+    assert _toks(llm) == before
+    assert llm.sleep(level=1)[1]["asleep"] == ["kv_cache", "weights"]  # the hook was one shot
+    llm.wake_up()
+    assert _toks(llm) == before
+
+    # Level 2: rank 0 discarded its weights before rank 1 failed. Rolled back, no rank is asleep;
+    # the discarded weights cannot come back by waking, so generating is refused until new ones.
+    _arm_rank1(llm)
+    with pytest.raises(SleepError, match="rolled back: every rank is awake"):
+        llm.sleep(level=2)
+    ranks = llm.collective_rpc("status")
+    assert [s["asleep"] for s in ranks] == [[], []] and [s["weights_valid"] for s in ranks] == [False, True]
+    assert llm.status()["state"] == "weights-invalid"
+    with pytest.raises(EngineStateError, match="discarded the weights"):
+        llm.generate(PROMPTS, GREEDY)
+    llm.update_weights(checkpoint_tensors(llm.config.model_config, seed=0))
+    assert llm.status()["state"] == "running" and _toks(llm) == before

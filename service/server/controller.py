@@ -33,6 +33,8 @@ from .protocol import APIError
 log = get_logger("controller")
 
 HEALTH_INTERVAL_S = 1.0
+# How long one death-watch call stays open before the controller holds the next.
+PARK_S = 3600.0
 # Pings that time out (a rank busy on 2 shared cores) only count after a few in a row; a dead
 # actor counts at once.
 MISSED_PINGS_UNHEALTHY = 3
@@ -98,6 +100,7 @@ class Controller:
         self.inbox, self.inbox_name = start_inbox()
         self.coordinator.weight_sources.update(sources(cfg.model_config, self.inbox))
         self._state_changed(self.coordinator.state)
+        self._watch_deaths()
         self.health = {"ok": True, "reason": None}
         log.info("ready", seconds=round(time.perf_counter() - t0, 2), nodes=len(set(self.executor.nodes)),
                  same_node=self.executor.same_node)
@@ -110,6 +113,35 @@ class Controller:
     @property
     def restore(self):
         return self.coordinator.restore
+
+    # ---- rank death, noticed when it happens ------------------------------------------
+    def _watch_deaths(self) -> None:
+        """Hold one `park` call open on every rank: a rank process that dies fails its call at
+        once (Ray reports the actor's death), so requests get their 503 without waiting for the
+        health watcher's next ping."""
+        executor = self.executor
+        for rank in range(executor.world_size):
+            self._park(executor, rank)
+
+    def _park(self, executor, rank: int) -> None:
+        try:
+            fut = executor.submit(rank, "park", PARK_S)
+        except Exception:  # the rank is gone already: the health watcher reports it
+            return
+        fut.add_done_callback(lambda f: self._parked(executor, rank, f))
+
+    def _parked(self, executor, rank: int, fut) -> None:
+        if self._closing.is_set() or self.restarting or executor is not self.executor:
+            return  # a shutdown or restart stops the ranks on purpose
+        error = fut.exception()
+        if error is None:
+            if not fut.result():  # PARK_S passed: hold the next one
+                self._park(executor, rank)
+            return
+        if executor.is_dead(error):
+            reason = f"rank {rank} actor died: {executor.error_text(error)}; POST /restart"
+            self.coordinator.mark_failed(reason)
+            self.health = {"ok": False, "reason": self.coordinator.state.failed}
 
     async def start_background(self) -> None:
         self._poller = asyncio.create_task(self._poll_loop(), name="rank0-poller")
@@ -344,6 +376,7 @@ class Controller:
         try:
             self._fail_all(503, "the ranks are restarting")
             report = self.coordinator.restart(lambda: RayExecutor(self.config))
+            self._watch_deaths()
             self._missed = 0
             self.health = {"ok": True, "reason": None}
         finally:
