@@ -3,6 +3,10 @@ the admin API switched off when no key is configured."""
 
 from __future__ import annotations
 
+import asyncio
+import types
+from concurrent.futures import Future
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -11,6 +15,7 @@ from service.lifecycle import LifecycleState
 from service.server.app import create_app
 from service.server.controller import Controller
 from service.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from service.worker import EngineStateError
 
 
 def test_prompt_shapes():
@@ -65,6 +70,27 @@ def test_admin_api_is_off_without_a_key():
         r = client.request(method, path, headers={"Authorization": "Bearer anything"})
         assert r.status_code == 403, path
         assert "admin API is off" in r.json()["error"]["message"] and "--admin-key" in r.json()["error"]["message"]
+
+
+def test_request_racing_a_sleep_is_refused_with_the_state_not_a_500():
+    """check_generation passed, then a sleep paused the engine before add_request reached rank 0:
+    the engine's refusal is the model's state (503, retry), like a refusal before admission."""
+
+    class Rank0Refuses:
+        def submit(self, rank, method, *args):
+            fut = Future()
+            fut.set_exception(EngineStateError("the engine is paused: resume it (or wake it up) before generating"))
+            return fut
+
+        def is_dead(self, e):
+            return False
+
+    ctl = Controller(EngineConfig(model="tiny").resolve(), model_name="tiny")
+    ctl.coordinator = types.SimpleNamespace(executor=Rank0Refuses())
+    with pytest.raises(APIError) as e:
+        asyncio.run(ctl.rank0("add_request", "r", "x", None, None))
+    assert (e.value.status, e.value.code, e.value.retry) == (503, "model_state", True)
+    assert "paused" in e.value.message
 
 
 # The body `vllm bench serve --backend openai` sends to /v1/completions

@@ -26,7 +26,7 @@ from ..log import get_logger
 from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
 from ..weight_transports import INBOX_NAMESPACE
-from ..worker import DIAGNOSTICS, TEST_HOOKS, RankWorker
+from ..worker import DIAGNOSTICS, TEST_HOOKS, EngineStateError, RankWorker
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -182,6 +182,8 @@ class Controller:
                 raise APIError(503, f"rank 0 is gone: {executor.error_text(e)}; POST /restart") from e
             if isinstance(e, InvalidRequest):
                 raise APIError(400, str(getattr(e, "cause", None) or e), code="invalid_request") from e
+            if isinstance(e, EngineStateError):  # a sleep or pause began after check_generation passed
+                raise APIError(503, str(getattr(e, "cause", None) or e), code="model_state", retry=True) from e
             raise APIError(500, f"rank 0 failed {method}: {executor.error_text(e)}") from e
 
     def check_generation(self) -> None:
