@@ -109,9 +109,17 @@ def set_cpu_threads(world_size: int, rank: int | None = None) -> int:
     """Give each rank an equal share of the CPU so TP ranks do not oversubscribe it, and, when
     every rank can have cores of its own, pin rank `rank` to its share (as vLLM's CPU backend
     binds its OpenMP threads): its threads then never migrate onto a peer's core mid-collective.
-    LATENTSERVE_CPU_BIND=0 leaves placement to the OS."""
+    LATENTSERVE_CPU_BIND=0 leaves placement to the OS.
+
+    Torch threads: one core per rank is left out of the count for what is not the forward (the
+    engine loop's Python, Ray, the HTTP server, other tenants), as vLLM's CPU backend reserves
+    one core per rank for its scheduler: an OpenMP team that spans every core waits at each
+    parallel region for whichever member lost its core to them (TP 1 on 2 cores, batch 16:
+    2 threads ran 3x slower than 1, bench/RESULTS.md 2026-12-03). LATENTSERVE_THREADS_PER_RANK
+    overrides it."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    n = max(1, len(cores) // max(world_size, 1))
+    world = max(world_size, 1)
+    n = max(1, (len(cores) - world) // world)
     n = int(os.environ.get("LATENTSERVE_THREADS_PER_RANK", n))
     bind = os.environ.get("LATENTSERVE_CPU_BIND", "1") != "0"
     if bind and rank is not None and 1 < world_size <= len(cores) and hasattr(os, "sched_setaffinity"):
