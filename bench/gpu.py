@@ -8,10 +8,11 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
   host packing + one copy + replay) and eagerly. Floor = bytes a step must read (every weight
   but the embedding table, of the routed experts only those the step's tokens chose, plus the
   KV contexts) over the device copy bandwidth measured here (bytes read + written per second).
-  The same model is built three times in the run: only the elementwise chains compiled (the
-  default), whole decoder layers compiled inside the graphs (LATENTSERVE_COMPILE=layers) and
-  nothing compiled (LATENTSERVE_COMPILE=0); kernels per layer are counted by the profiler over
-  one graph replay of each.
+  The same model is built four times in the run: the default (elementwise chains compiled,
+  Triton MoE router and GEMV experts), whole decoder layers compiled inside the graphs
+  (LATENTSERVE_COMPILE=layers), nothing compiled (LATENTSERVE_COMPILE=0), and the torch router
+  and grouped-GEMM experts (LATENTSERVE_MOE_KERNELS=0); kernels per layer are counted by the
+  profiler over one graph replay of each.
 - throughput: `small` with the latent MoE off (plain DeepSeek-V3, 7.4 GB), the same weights in
   our engine and in transformers' DeepseekV3ForCausalLM, batch 16, greedy; decode tokens/s by
   the protocol of scripts/anchors/decode_bench.py (full run minus a prefill-only run).
@@ -179,7 +180,9 @@ def decode_llm(args, **kw) -> LLM:
     t0 = time.perf_counter()
     llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
                    cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
-    RESULTS.setdefault("engine_up_s", {})[os.environ.get("LATENTSERVE_COMPILE", "chains")] = time.perf_counter() - t0
+    build = (f"compile={os.environ.get('LATENTSERVE_COMPILE', 'chains')},"
+             f"moe_kernels={os.environ.get('LATENTSERVE_MOE_KERNELS', '1')}")
+    RESULTS.setdefault("engine_up_s", {})[build] = time.perf_counter() - t0
     fill_caches(llm)
     return llm
 
@@ -235,10 +238,12 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
             "device_ms": kernel_us / 1e3, "table": table}
 
 
-def mode_graph_ms(args, mode: str) -> dict:
-    """Decode graph step ms per batch, and replay profiles, of the same model built with
-    LATENTSERVE_COMPILE=mode (0: nothing compiled; layers: whole decoder layers compiled)."""
-    os.environ["LATENTSERVE_COMPILE"] = mode
+def mode_graph_ms(args, env: dict[str, str]) -> dict:
+    """Decode graph step ms per batch, and replay profiles, of the same model built under `env`
+    (LATENTSERVE_COMPILE=0: nothing compiled, =layers: whole decoder layers compiled;
+    LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         llm = decode_llm(args)
         worker, ms, profiles = llm.executor.rank0, {}, []
@@ -254,16 +259,24 @@ def mode_graph_ms(args, mode: str) -> dict:
         del llm, worker
         torch.cuda.empty_cache()
     finally:
-        del os.environ["LATENTSERVE_COMPILE"]
-    log(f"decode with LATENTSERVE_COMPILE={mode} (graph ms): {ms}; kernels per layer: "
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    log(f"decode with {env} (graph ms): {ms}; kernels per layer: "
         f"{ {p['batch']: round(p['kernels_per_layer'], 1) for p in profiles} }")
     return {"ms": ms, "profiles": profiles}
 
 
+# The default build (chains compiled, Triton MoE kernels) is timed against these, same model.
+BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "layers": {"LATENTSERVE_COMPILE": "layers"},
+             "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"}}
+
+
 def bench_decode(args, bw: float) -> LLM:
-    base = mode_graph_ms(args, "0")
-    layers_mode = mode_graph_ms(args, "layers")
-    RESULTS["baselines"] = {"0": base, "layers": layers_mode}
+    baselines = {name: mode_graph_ms(args, env) for name, env in BASELINES.items()}
+    RESULTS["baselines"] = baselines
     import torch._dynamo.utils as dynamo_utils
 
     llm = decode_llm(args, enable_sleep_mode="sleep" not in args.skip)
@@ -288,14 +301,14 @@ def bench_decode(args, bw: float) -> LLM:
             if graphs is not None:
                 b = graphs.batch_for(batch)
                 row["graph_ms"] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
-                row["uncompiled_graph_ms"] = base["ms"].get(batch, float("nan"))
-                row["layers_graph_ms"] = layers_mode["ms"].get(batch, float("nan"))
+                for name, other in baselines.items():
+                    row[f"{name}_graph_ms"] = other["ms"].get(batch, float("nan"))
                 row["replay_ms"] = timed(graphs.graphs[b].replay, args.device, args.iters) * 1e3
                 if batch in args.profile_batches:
                     prof = profile_replay(graphs, batch, layers)
                     row["kernels_per_layer"] = prof["kernels_per_layer"]
                     row["replay_device_ms"] = prof["device_ms"]
-                    for name, other in (("layers", layers_mode), ("uncompiled", base)):
+                    for name, other in baselines.items():
                         for p in other["profiles"]:
                             if p["batch"] == batch:
                                 row[f"{name}_kernels_per_layer"] = p["kernels_per_layer"]
@@ -317,7 +330,7 @@ def bench_decode(args, bw: float) -> LLM:
         prof = profile_eager_step(worker, decode_chunks(batch, args.context, bs), args.device)
         RESULTS.setdefault("profiles", []).append(prof)
         print(prof, flush=True)
-    for other in (base, layers_mode):
+    for other in baselines.values():
         for p in other["profiles"]:
             RESULTS.setdefault("baseline_profiles", []).append(p)
     return llm
@@ -345,6 +358,9 @@ def to_transformers(model, device: str):
             t.copy_(ours[pre + "w13"])  # gate rows then up rows, as transformers stacks them
         elif name.endswith(".experts.down_proj"):
             t.copy_(ours[name.removesuffix("down_proj") + "w2"])
+        elif name.endswith((".gate_proj.weight", ".up_proj.weight")):  # our MLPs' gate_up_proj halves
+            fused = ours[name.rsplit(".", 2)[0] + ".gate_up_proj.weight"]
+            t.copy_(fused.unflatten(0, (2, -1))[0 if name.endswith(".gate_proj.weight") else 1])
         elif name in ours:
             t.copy_(ours[name])
         elif not name.endswith("inv_freq"):
@@ -461,10 +477,11 @@ def print_table(args, bw: float) -> None:
     stats = RESULTS.get("graph_stats")
     compiled = stats.get("compiled_layers") if isinstance(stats, dict) else "graphs off"
     up = {k: round(v, 1) for k, v in RESULTS.get("engine_up_s", {}).items()}
-    print(f"decode graphs: compiled layers {compiled}; engine up (s) by LATENTSERVE_COMPILE: {up}")
+    print(f"decode graphs: compiled layers {compiled}; engine up (s) by build: {up}")
     print(f"{'decode (ctx ' + str(args.context) + ')':16s} {'floor ms':>9s} {'graph ms':>9s} {'replay ms':>10s} "
           f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'layers ms':>10s} {'vs layers':>10s} "
-          f"{'no-compile ms':>14s} {'vs none':>8s} {'k/layer':>8s} {'layers k/l':>11s} {'none k/l':>9s}")
+          f"{'no-compile ms':>14s} {'vs none':>8s} {'torch-MoE ms':>13s} {'vs torch-MoE':>13s} {'k/layer':>8s} "
+          f"{'layers k/l':>11s} {'none k/l':>9s} {'torch-MoE k/l':>14s}")
     nan = float("nan")
     for r in RESULTS.get("decode", []):
         g = r.get("graph_ms", nan)
@@ -472,8 +489,9 @@ def print_table(args, bw: float) -> None:
               f"{r.get('replay_ms', nan):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.3f} "
               f"{r['bytes'] / 1e9:8.2f} {r.get('layers_graph_ms', nan):10.3f} {r.get('layers_graph_ms', nan) / g:10.2f} "
               f"{r.get('uncompiled_graph_ms', nan):14.3f} {r.get('uncompiled_graph_ms', nan) / g:8.2f} "
+              f"{r.get('torch_moe_graph_ms', nan):13.3f} {r.get('torch_moe_graph_ms', nan) / g:13.2f} "
               f"{r.get('kernels_per_layer', nan):8.1f} {r.get('layers_kernels_per_layer', nan):11.1f} "
-              f"{r.get('uncompiled_kernels_per_layer', nan):9.1f}")
+              f"{r.get('uncompiled_kernels_per_layer', nan):9.1f} {r.get('torch_moe_kernels_per_layer', nan):14.1f}")
     v = RESULTS.get("vs_transformers")
     if v:
         print(f"batch {args.hf_batch} decode tok/s: ours {v['ours']['decode_tokens_per_s']:.0f}, transformers "

@@ -15,6 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
+from . import moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, frozen
 
@@ -38,6 +39,12 @@ class TopkRouter(KeepFloat32, nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (weights [M, k] fp32, expert ids [M, k])."""
+        if moe_kernels.route_supported(x, self.weight.shape[0], self.n_group):
+            out = moe_kernels.call(torch.ops.latentserve.moe_route, x, self.weight, self.e_score_correction_bias,
+                                   self.n_group, self.topk_group, self.top_k, self.norm_topk_prob,
+                                   float(self.scaling), self.softmax)
+            if out is not None:
+                return out
         return route(x, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k,
                      self.norm_topk_prob, self.scaling, self.softmax)
 
@@ -79,6 +86,10 @@ class FusedExperts(nn.Module):
         num_experts = cfg.n_routed_experts
         shard = cfg.moe_intermediate_size // tp.world_size
         self.act = act_and_mul(cfg)
+        self.act_name = cfg.hidden_act
+        self.act_beta = float(cfg.activation_situ_beta or 1.0) if cfg.hidden_act == "situ" else 1.0
+        linear_beta = cfg.activation_situ_linear_beta if cfg.hidden_act == "situ" else None
+        self.act_linear_beta = float(linear_beta) if linear_beta is not None else None
         self.num_experts = num_experts
         self.shard = shard
         self.w13 = frozen(num_experts, 2 * shard, width, dtype=dtype)
@@ -86,6 +97,11 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [M, W]; weights/ids [M, k]. Returns this rank's partial sum over experts [M, W]."""
+        if moe_kernels.experts_supported(x, self.act_name):  # few tokens: GEMV kernels
+            out = moe_kernels.call(torch.ops.latentserve.moe_experts, x, self.w13, self.w2, weights, ids,
+                                   self.act_name, self.act_beta, self.act_linear_beta)
+            if out is not None:
+                return out
         if grouped_mm_fast(x):
             return self.grouped(x, weights, ids)
         return self.per_expert(x, weights, ids)

@@ -1,0 +1,270 @@
+"""Triton kernels for the MoE of a decode step: routing in one kernel, the routed experts in two.
+
+A decode step on a GPU is launch-bound (bench/RESULTS.md): the torch router runs ~10 kernels
+(fp32 GEMV, sigmoid, group top-2 sums, two top-k's, gathers, normalization) and the grouped-GEMM
+experts ~15 (argsort, counts, cumsum, gathers, the CUTLASS setup kernels, the GEMMs, the
+activation, the weighted scatter and the slot sum). Here:
+
+- `route`: one program per token: the router GEMV in fp32, sigmoid or softmax, the correction
+  bias, the group-limited choice (top-2 sum per group, top groups), the top-k by repeated
+  argmax, the weights of the chosen experts (normalized, scaled). Same math as moe.route.
+- `experts`: for few tokens (M x top_k pairs small), GEMV-shaped kernels that read only the
+  chosen experts' rows: (1) each (token, slot) pair's gate and up rows of w13 against the
+  token's input, the gated activation (SiLU or SiTU) in the epilogue; (2) each token's output
+  rows: w2 of every chosen expert against that slot's activation, weighted and summed over the
+  slots in slot order (deterministic, no atomics). Roundings follow the torch path: GEMM
+  outputs in the activation dtype, the activation as in layers.act_and_mul, the slot sum in fp32.
+
+Both are `torch.library` custom ops, so compiled decoder layers keep them opaque, and they run
+inside CUDA graphs (no host sync, shapes fixed by M). Callers check `*_supported` first and
+keep the torch path otherwise (CPU, the interpreter aside; shapes the kernels do not take).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..log import get_logger
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+ACTS = {"silu": 0, "situ": 1}
+log = get_logger("moe_kernels")
+_verified: set[str] = set()  # kernels that ran once in this process
+_failure: str | None = None  # why they are off for good, if they failed to build or launch
+
+
+def enabled() -> bool:
+    """LATENTSERVE_MOE_KERNELS=0 keeps the torch router and experts (the bench's baseline)."""
+    return _failure is None and os.environ.get("LATENTSERVE_MOE_KERNELS", "1") != "0"
+
+
+def failure() -> str | None:
+    return _failure
+
+
+def call(op, *args):
+    """`op(*args)`, or None when its first call in this process fails (a Triton build or launch
+    error on this GPU): the kernels are then off for good (logged) and the caller's torch path
+    runs, so a kernel problem costs speed, never a request. Later errors propagate."""
+    global _failure
+    name = str(op)
+    if name in _verified or torch.compiler.is_compiling():
+        return op(*args)
+    try:
+        out = op(*args)
+    except Exception as e:  # noqa: BLE001 - any build/launch failure of the first call
+        _failure = f"{name}: {type(e).__name__}: {e}"[:500]
+        log.error("moe_kernels_off", error=_failure)
+        return None
+    _verified.add(name)
+    return out
+
+
+def gemv_max_tokens() -> int:
+    """Up to this many tokens the GEMV experts run; above, the grouped GEMM (tensor cores, each
+    expert's weights read once for all its tokens). bench/gpu.py measures both."""
+    return int(os.environ.get("LATENTSERVE_MOE_GEMV_MAX_TOKENS", "16"))
+
+
+def _on_device(x: torch.Tensor) -> bool:
+    return triton is not None and (x.is_cuda or INTERPRET) and enabled()
+
+
+def route_supported(x: torch.Tensor, num_experts: int, n_group: int) -> bool:
+    pow2 = num_experts & (num_experts - 1) == 0
+    return _on_device(x) and num_experts <= 1024 and (n_group <= 1 or (pow2 and num_experts % n_group == 0))
+
+
+def experts_supported(x: torch.Tensor, act: str) -> bool:
+    return _on_device(x) and act in ACTS and x.shape[0] <= gemv_max_tokens()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(y):
+        return 2.0 * tl.sigmoid(2.0 * y) - 1.0
+
+    @triton.jit
+    def _route_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, hidden, stride_x, stride_w, scaling,
+                      E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, N_GROUP: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr):
+        t = tl.program_id(0)
+        e = tl.arange(0, E_PAD)
+        emask = e < E
+        logits = tl.zeros([E_PAD], tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            hmask = h < hidden
+            xv = tl.load(x_ptr + t * stride_x + h, mask=hmask, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + e[:, None] * stride_w + h[None, :], mask=emask[:, None] & hmask[None, :],
+                         other=0.0).to(tl.float32)
+            logits += tl.sum(wv * xv[None, :], 1)
+        if SOFTMAX:
+            z = tl.where(emask, logits, float("-inf"))
+            z = tl.exp(z - tl.max(z, 0))
+            scores = z / tl.sum(z, 0)
+        else:
+            scores = tl.sigmoid(logits)
+        bias = tl.load(bias_ptr + e, mask=emask, other=0.0)
+        choice = tl.where(emask, scores + bias, float("-inf"))
+        if N_GROUP > 1:
+            per: tl.constexpr = E_PAD // N_GROUP
+            grouped = tl.reshape(choice, [N_GROUP, per])
+            col = tl.arange(0, per)
+            first = tl.argmax(grouped, 1)
+            top1 = tl.max(grouped, 1)
+            top2 = tl.max(tl.where(col[None, :] == first[:, None], float("-inf"), grouped), 1)
+            gscore = top1 + top2
+            g = tl.arange(0, N_GROUP)
+            keep = tl.zeros([N_GROUP], tl.int1)
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.argmax(tl.where(keep, float("-inf"), gscore), 0)
+                keep = keep | (g == best)
+            keep_e = tl.reshape(tl.broadcast_to(keep[:, None], [N_GROUP, per]), [E_PAD])
+            choice = tl.where(keep_e, choice, float("-inf"))
+        ks = tl.arange(0, K_PAD)
+        chosen = tl.zeros([K_PAD], tl.int64)
+        w = tl.zeros([K_PAD], tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(choice, 0)
+            chosen = tl.where(ks == j, best.to(tl.int64), chosen)
+            w = tl.where(ks == j, tl.sum(tl.where(e == best, scores, 0.0), 0), w)
+            choice = tl.where(e == best, float("-inf"), choice)
+        if NORM:
+            w = w / (tl.sum(w, 0) + 1e-20)
+        kmask = ks < TOP_K
+        tl.store(ids_ptr + t * TOP_K + ks, chosen, mask=kmask)
+        tl.store(weights_ptr + t * TOP_K + ks, w * scaling, mask=kmask)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, width, shard, stride_x, stride_we, stride_wn, stride_h,
+                        beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        p = tl.program_id(0)  # (token, slot) pair
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < shard
+        t = p // TOP_K
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        w_rows = w13_ptr + expert * stride_we + n[:, None] * stride_wn
+        acc_g = tl.zeros([BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < width
+            xv = tl.load(x_ptr + t * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
+            m2 = nmask[:, None] & kmask[None, :]
+            wg = tl.load(w_rows + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(w_rows + shard * stride_wn + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * xv[None, :], 1)
+            acc_u += tl.sum(wu * xv[None, :], 1)
+        dtype = h_ptr.dtype.element_ty
+        g = acc_g.to(dtype).to(tl.float32)  # the GEMM's output rounding
+        u = acc_u.to(dtype).to(tl.float32)
+        if ACT == 0:  # SiLU, rounded as F.silu(gate) * up in the activation dtype
+            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+        else:  # SiTU in fp32, the up input soft-clipped when linear_beta is set
+            h = beta * _tanh(g / beta) * tl.sigmoid(g)
+            if CLIP_UP:
+                u = linear_beta * _tanh(u / linear_beta)
+            h = h * u
+        tl.store(h_ptr + p * stride_h + n, h.to(dtype), mask=nmask)
+
+    @triton.jit
+    def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, width, shard, stride_h, stride_we, stride_wn,
+                     stride_o, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < width
+        dtype = out_ptr.dtype.element_ty
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            p = t * TOP_K + j
+            expert = tl.load(ids_ptr + p).to(tl.int64)
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, shard, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < shard
+                hv = tl.load(h_ptr + p * stride_h + k, mask=kmask, other=0.0).to(tl.float32)
+                wv = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
+                             mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(wv * hv[None, :], 1)
+            total += acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + p)
+        tl.store(out_ptr + t * stride_o + n, total.to(dtype), mask=nmask)
+
+
+def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+           norm_topk_prob: bool, scaling: float, softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m, hidden = x.shape
+    num_experts = weight.shape[0]
+    e_pad = triton.next_power_of_2(num_experts)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(m, top_k, dtype=torch.long, device=x.device)
+    if m == 0:
+        return weights, ids
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    block_h = max(16, min(128, 8192 // e_pad))
+    _route_kernel[(m,)](x, weight, bias, weights, ids, hidden, x.stride(0), weight.stride(0), float(scaling),
+                        E=num_experts, E_PAD=e_pad, BLOCK_H=block_h, N_GROUP=max(1, n_group),
+                        TOPK_GROUP=max(1, topk_group), TOP_K=top_k,
+                        K_PAD=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob),
+                        SOFTMAX=bool(softmax), num_warps=4 if e_pad <= 256 else 8)
+    return weights, ids
+
+
+def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+             act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+    m, width = x.shape
+    top_k = ids.shape[1]
+    shard = w2.shape[2]
+    out = torch.empty(m, w2.shape[1], dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
+    block_n = 32 if m * top_k >= 32 else 16
+    _gate_up_kernel[(m * top_k, triton.cdiv(shard, block_n))](
+        x, w13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None,
+        BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+    block_n = 16 if m <= 4 else 32
+    _down_kernel[(m, triton.cdiv(w2.shape[1], block_n))](
+        h, w2, ids, weights, out, w2.shape[1], shard, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @torch.library.custom_op("latentserve::moe_route", mutates_args=())
+    def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
+              top_k: int, norm_topk_prob: bool, scaling: float, softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, H]; router weight [E, H]; bias [E] fp32 -> (weights [M, k] fp32, ids [M, k] int64)."""
+        return _route(x, weight, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
+
+    @route.register_fake
+    def _(x, weight, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax):
+        m = x.shape[0]
+        return (x.new_empty(m, top_k, dtype=torch.float32), x.new_empty(m, top_k, dtype=torch.long))
+
+    @torch.library.custom_op("latentserve::moe_experts", mutates_args=())
+    def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+        """x [M, W]; w13 [E, 2*I, W] (gate rows, then up rows); w2 [E, W, I]; weights/ids [M, k].
+        Returns sum_j weights[:, j] * w2[ids[:, j]] @ act(w13[ids[:, j]] @ x), [M, W] in x's dtype."""
+        return _experts(x, w13, w2, weights, ids, act, beta, linear_beta)
+
+    @experts.register_fake
+    def _(x, w13, w2, weights, ids, act, beta, linear_beta):
+        return x.new_empty(x.shape[0], w2.shape[1])

@@ -1,0 +1,38 @@
+"""A MoE kernel whose first call fails (a Triton build or launch error on some GPU) turns the
+kernels off for good and hands the step back to the torch path; later errors propagate."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.model import moe_kernels
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(moe_kernels, "_verified", set())
+    monkeypatch.setattr(moe_kernels, "_failure", None)
+
+
+def test_first_call_failure_turns_the_kernels_off(fresh):
+    def broken(*args):
+        raise RuntimeError("PTX assembly failed")
+
+    assert moe_kernels.call(broken, 1) is None
+    assert "PTX assembly failed" in moe_kernels.failure()
+    assert not moe_kernels.enabled()
+
+
+def test_errors_after_a_good_first_call_propagate(fresh):
+    calls = []
+
+    def op(x):
+        calls.append(x)
+        if len(calls) > 1:
+            raise ValueError("bad input")
+        return x * 2
+
+    assert moe_kernels.call(op, 3) == 6
+    with pytest.raises(ValueError, match="bad input"):
+        moe_kernels.call(op, 4)
+    assert moe_kernels.failure() is None and moe_kernels.enabled()
