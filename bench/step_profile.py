@@ -37,8 +37,8 @@ TARGETS = [
     ("service.engine.sampler", "Sampler.__call__"),
     ("service.engine.plan", "encode_message"),
     ("service.engine.plan", "decode_message"),
-    ("service.worker", "RankWorker.execute"),
-    ("service.worker", "RankWorker.check_runnable"),
+    ("service.cluster.worker", "RankWorker.execute"),
+    ("service.cluster.worker", "RankWorker.check_runnable"),
     ("service.parallel", "TPGroup.broadcast_ints"),
     ("service.parallel", "TPGroup.all_reduce"),
     ("service.parallel", "TPGroup.all_gather"),
@@ -113,7 +113,7 @@ def snapshot() -> dict:
 def _child_hooks() -> None:
     """In a rank process: time everything, and let the driver reset / read the stats."""
     install()
-    from service import worker
+    from service.cluster import worker, worker_rpc
 
     def rpc_step_profile(self, action: str = "read"):
         if action == "reset":
@@ -122,7 +122,7 @@ def _child_hooks() -> None:
         return {"rank": self.rank, "stats": snapshot()}
 
     worker.RankWorker.rpc_step_profile = rpc_step_profile
-    worker.DIAGNOSTICS = (*worker.DIAGNOSTICS, "step_profile")
+    worker_rpc.DIAGNOSTICS = (*worker_rpc.DIAGNOSTICS, "step_profile")
 
 
 SITECUSTOMIZE = f"""

@@ -8,33 +8,8 @@ import os
 import sys
 
 from .config import ConfigError
+from .engine_config import add_engine_args, engine_kwargs
 from .sampling_params import InvalidRequest
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="preset (tiny, tiny-dense-moe, small, k3-tiny, k3) or checkpoint dir (DeepSeek-V3, Kimi-Linear or Kimi-K3 layout)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hf-overrides", type=json.loads, default=None, help='JSON, e.g. \'{"num_hidden_layers": 4}\'')
-    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (e.g. auto); default: local")
-    p.add_argument("--enable-sleep-mode", action="store_true")
-    p.add_argument("--sleep-preserve-parameter-names", nargs="*", default=[], metavar="GLOB")
-    p.add_argument("--fused-tail", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--tail-deadline-s", type=float, default=10.0)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model, tensor_parallel_size=args.tp, dtype=args.dtype, seed=args.seed,
-        hf_overrides=args.hf_overrides, enable_sleep_mode=args.enable_sleep_mode,
-        sleep_preserve_parameter_names=args.sleep_preserve_parameter_names, fused_tail=args.fused_tail,
-        device=args.device, ray_address=args.ray_address, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, tail_deadline_s=args.tail_deadline_s,
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -83,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate offline through the TP ranks")
-    _add_engine_args(g)
+    add_engine_args(g)
     g.add_argument("--prompt", action="append", default=[])
     g.add_argument("--prompt-token-ids", action="append", default=[], metavar="1,2,3")
     g.add_argument("--max-tokens", type=int, default=32)
@@ -98,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI API with /sleep and /wake_up")
-    _add_engine_args(s)
+    add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--admin-key", default=os.environ.get("LATENTSERVE_ADMIN_KEY"))
@@ -115,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     v = sub.add_parser("verify-sleep", help="the seed's sleep test plan with its negative control")
-    _add_engine_args(v)
+    add_engine_args(v)
     v.add_argument("--url", default=None, help="use a running service instead of starting one")
     v.add_argument("--admin-key", default=os.environ.get("LATENTSERVE_ADMIN_KEY"))
     v.add_argument("--prompts", type=int, default=16)

@@ -179,14 +179,14 @@ class Client(_Base):
         return self._do(_Calls.update_weights({"path": path, **source} if path else source))
 
     def update_weights_from_group(self, named_tensors, **kwargs) -> dict:
-        """Broadcast tensors to the ranks through a process group (see weight_sync.push_via_group)."""
-        from .weight_sync import push_via_group
+        """Broadcast tensors to the ranks through a process group (see service.weights.sync.push_via_group)."""
+        from .weights.sync import push_via_group
 
         return push_via_group(self, named_tensors, **kwargs)
 
     def update_weights_from_refs(self, named_tensors) -> dict:
         """Send tensors as Ray object refs; call from inside the service's Ray cluster."""
-        from .weight_sync import push_via_refs
+        from .weights.sync import push_via_refs
 
         return push_via_refs(self, named_tensors)
 

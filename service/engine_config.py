@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,3 +91,32 @@ class EngineConfig:
         wanted = -(-self.max_num_seqs * self.max_model_len // self.block_size)
         fits = self.kv_cache_memory_bytes // (per_token * self.block_size)
         return max(8, min(wanted, fits))
+
+
+# ---- the command line's engine options (service/cli.py and `serve` in server/app.py) ----
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's command-line options (generate, serve, verify-sleep share them)."""
+    p.add_argument("--model", default="tiny", help="preset (tiny, tiny-dense-moe, small, k3-tiny, k3) or checkpoint dir (DeepSeek-V3, Kimi-Linear or Kimi-K3 layout)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-overrides", type=json.loads, default=None, help='JSON, e.g. \'{"num_hidden_layers": 4}\'')
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (e.g. auto); default: local")
+    p.add_argument("--enable-sleep-mode", action="store_true")
+    p.add_argument("--sleep-preserve-parameter-names", nargs="*", default=[], metavar="GLOB")
+    p.add_argument("--fused-tail", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--tail-deadline-s", type=float, default=10.0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig's keyword arguments from the options `add_engine_args` added."""
+    return dict(
+        model=args.model, tensor_parallel_size=args.tp, dtype=args.dtype, seed=args.seed,
+        hf_overrides=args.hf_overrides, enable_sleep_mode=args.enable_sleep_mode,
+        sleep_preserve_parameter_names=args.sleep_preserve_parameter_names, fused_tail=args.fused_tail,
+        device=args.device, ray_address=args.ray_address, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, tail_deadline_s=args.tail_deadline_s,
+    )

@@ -1,5 +1,6 @@
-"""The lifecycle vocabulary shared by the coordinator and its callers: states, errors, and how
-each entry point (HTTP or the offline `LLM`) names the call that gets a model out of a state."""
+"""The lifecycle vocabulary shared by the coordinator, the ranks and their callers: states, errors
+(the coordinator's, and a rank's refusal to run), and how each entry point (HTTP or the offline
+`LLM`) names the call that gets a model out of a state."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ class CoordinationError(RuntimeError):
     def outcomes(self) -> list[dict]:
         """Every rank's outcome (the offline API's name for `ranks`)."""
         return self.ranks or []
+
+
+class EngineStateError(RuntimeError):
+    """A rank cannot run a forward in its current state (asleep, weights discarded, failed)."""
 
 
 class InvalidArgument(CoordinationError, ValueError):

@@ -1,7 +1,7 @@
 """Offline API mirroring vLLM's `LLM`: generate, sleep/wake_up, weight updates, collective_rpc.
 
 Sleep, wake, weight updates, pause/resume and restart go through the same `Coordinator` as the
-HTTP API (coordinator.py): the same rollback, deadlines and per-rank reports on every executor.
+HTTP API (cluster/coordinator.py): the same rollback, deadlines and per-rank reports on every executor.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .coordinator import Coordinator, load_tensors
+from .cluster.backends import make_executor
+from .cluster.coordinator import Coordinator, load_tensors
 from .engine_config import EngineConfig
-from .executor_base import make_executor
 from .lifecycle import CoordinationError
 from .outputs import RequestOutput
 from .sampling_params import InvalidRequest, SamplingParams

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from service import LLM, SamplingParams
+from service.lifecycle import EngineStateError
 from service.llm import SleepError
 from service.weights import export_state
-from service.worker import EngineStateError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 KW = dict(dtype="float32", hf_overrides={"num_hidden_layers": 3})

@@ -1,4 +1,4 @@
-"""Recovery in place after a failed step (service/recovery.py): the TP group's op counters realigned
+"""Recovery in place after a failed step (service/cluster/recovery.py): the TP group's op counters realigned
 (`ShmGroup.resync`, ranks as threads), the fused tail re-armed after lost flags (`rearm`, ranks as
 threads), and the whole path through the offline LLM on the 'mp' executor: the step with zeroed
 flags fails with the TailTimeout message, the next generation gives the tokens of before."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 from _thread_ranks import run_ranks
 
-from service.shm_group import CollectiveTimeout, GroupResync, ShmGroup
+from service.parallel.shm_group import CollectiveTimeout, GroupResync, ShmGroup
 from service.tail.base import TailTimeout, latent_norm
 from service.tail.protocol import INITIAL_FLAGS
 from service.tail.shm import ShmTailCollective

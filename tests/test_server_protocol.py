@@ -11,11 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.engine_config import EngineConfig
-from service.lifecycle import LifecycleState
+from service.lifecycle import EngineStateError, LifecycleState
 from service.server.app import create_app
 from service.server.controller import Controller
 from service.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from service.worker import EngineStateError
 
 
 def test_prompt_shapes():

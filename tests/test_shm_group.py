@@ -1,4 +1,4 @@
-"""The shared-memory TP collectives (service/shm_group.py), ranks as threads of one process: the
+"""The shared-memory TP collectives (service/parallel/shm_group.py), ranks as threads of one process: the
 same bits on every rank, payloads larger than a slot, step plans in their binary form, and a
 peer that never answers ends in a clear error at the deadline instead of a hang."""
 
@@ -13,7 +13,7 @@ import torch
 from _thread_ranks import run_ranks as thread_ranks
 
 from service.engine.plan import SeqChunk, StepPlan, decode_message, encode_message
-from service.shm_group import CollectiveTimeout, ShmGroup
+from service.parallel.shm_group import CollectiveTimeout, ShmGroup
 
 
 def run_ranks(world: int, fn, slot_bytes: int = 4096, deadline_s: float = 20.0) -> list:

@@ -5,9 +5,9 @@ rolled back by the coordinator so that no rank stays asleep."""
 import pytest
 
 from service import LLM, SamplingParams
+from service.lifecycle import EngineStateError
 from service.llm import SleepError
 from service.weights import checkpoint_tensors
-from service.worker import EngineStateError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [3, 14, 15, 92, 65]}, {"prompt_token_ids": [27, 18, 28]}]

@@ -1,4 +1,4 @@
-"""What /restart brings back (service/weight_restore.py), without a server: the plan's bookkeeping
+"""What /restart brings back (service/weights/restore.py), without a server: the plan's bookkeeping
 (path resets the overlay, snapshots merge newest-last, 'off' names what would be lost) with the
 rank calls faked, and the rank side on a real TP-1 engine: a snapshot of the parameters a tensor
 update wrote, restored into a fresh engine, gives the same tokens and version."""
@@ -10,8 +10,8 @@ import torch
 
 from service import LLM, SamplingParams
 from service.config import PRESETS
-from service.weight_restore import RestorePlan
 from service.weights import checkpoint_tensors
+from service.weights.restore import RestorePlan
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]

@@ -10,8 +10,8 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
+from ..cluster.worker_rpc import DIAGNOSTICS
 from ..lifecycle import CoordinationError
-from ..worker import DIAGNOSTICS
 from .controller import Controller
 from .protocol import APIError
 

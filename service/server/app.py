@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..client import SERVER_KEEP_ALIVE_S
-from ..engine_config import EngineConfig
+from ..engine_config import EngineConfig, engine_kwargs
 from ..log import get_logger
 from . import admin, completions
 from .controller import Controller
@@ -93,8 +93,6 @@ def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
 def serve(args: argparse.Namespace) -> int:
     import ray
     import uvicorn
-
-    from ..cli import engine_kwargs
 
     config = EngineConfig(**engine_kwargs(args)).resolve()
     controller = Controller(config, model_name=args.served_model_name or args.model,

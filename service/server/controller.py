@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ..coordinator import Coordinator
+from ..cluster.coordinator import Coordinator
+from ..cluster.worker_rpc import DIAGNOSTICS, TEST_HOOKS, RankRPC
 from ..engine_config import EngineConfig
-from ..lifecycle import CoordinationError
+from ..lifecycle import CoordinationError, EngineStateError
 from ..log import get_logger
 from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
-from ..weight_transports import INBOX_NAMESPACE
-from ..worker import DIAGNOSTICS, TEST_HOOKS, EngineStateError, RankWorker
+from ..weights.transports import INBOX_NAMESPACE
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -84,9 +84,9 @@ class Controller:
     # ---- lifecycle -----------------------------------------------------------------
     def load(self) -> None:
         """Start the ranks (blocking, minutes for big models; progress goes to the log)."""
-        from ..executor import RayExecutor
+        from ..cluster.ray_executor import RayExecutor
         from ..tokenizer import get_tokenizer
-        from ..weight_transports import sources, start_inbox
+        from ..weights.transports import sources, start_inbox
 
         t0 = time.perf_counter()
         cfg = self.config
@@ -337,7 +337,7 @@ class Controller:
         if kwargs:
             raise APIError(422, "collective_rpc takes positional args only", param="kwargs")
         try:  # a wrong argument count is the caller's error, not every rank's
-            inspect.signature(getattr(RankWorker, "rpc_" + method)).bind(None, *args)
+            inspect.signature(getattr(RankRPC, "rpc_" + method)).bind(None, *args)
         except TypeError as e:
             raise APIError(422, f"collective_rpc({method}): {e}", param="args") from None
         n = self.executor.world_size
@@ -371,7 +371,7 @@ class Controller:
     def restart(self) -> dict:
         """Rebuild every rank through the coordinator (the served weights and their version come
         back); requests in flight fail with 503 and new ones wait for the fresh ranks."""
-        from ..executor import RayExecutor
+        from ..cluster.ray_executor import RayExecutor
 
         self.restarting = True
         self._state_changed(self.coordinator.state)

@@ -84,7 +84,7 @@ def test_lost_flags_end_in_timeout():
 
 
 def test_rearm_after_lost_flags_serves_again():
-    """Recovery in place (service/recovery.py): after the timeout every rank re-arms (own region
+    """Recovery in place (service/cluster/recovery.py): after the timeout every rank re-arms (own region
     refilled, flags initial, error words cleared) and the next calls are right again."""
     tp, dtype = 2, torch.float32
     group = VirtualTailGroup(tp, max_tokens=16, latent_dim=LATENT, hidden_dim=HIDDEN, dtype=dtype,

@@ -1,7 +1,7 @@
 """The RLHF weight transports behind `POST /update_weights`, besides `{"path": DIR}`.
 
 - `{"group": {...}}`: the trainer joins a process group with the ranks and broadcasts named
-  tensors in buckets (gloo on CPU, NCCL on GPU); see `weight_sync.py`.
+  tensors in buckets (gloo on CPU, NCCL on GPU); see `sync.py`.
 - `{"refs": {"token": ...}}`: a trainer running as a Ray actor in the service's cluster puts its
   tensors in the object store and deposits the refs in the service's `WeightInbox` actor; the
   controller takes them from there and hands them to every rank. Refs travel in-band (actor
@@ -16,8 +16,8 @@ import uuid
 
 import ray
 
-from .lifecycle import CoordinationError
-from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
+from ..lifecycle import CoordinationError
+from .sync import DEFAULT_BUCKET_BYTES, TensorMeta
 
 INBOX_NAMESPACE = "latentserve"
 
@@ -101,7 +101,7 @@ def _group_options(spec: dict, timeout: float) -> tuple[str, int, int, str, floa
 
 
 def _check(model_config, shapes: dict) -> None:
-    from .weights import check_weights
+    from .specs import check_weights
 
     problems = check_weights(model_config, {n: (tuple(s), _torch_dtype(d)) for n, (s, d) in shapes.items()})
     if problems:

@@ -1,7 +1,7 @@
 """Lifecycle coordination of one model's TP ranks: the one path every entry point takes.
 
 The offline `LLM` and the HTTP controller both drive the ranks through a `Coordinator`, over the
-executor interface (executor_base.Executor: `ray`, `mp` or `uni`), for sleep, wake, weight
+executor interface (executor.Executor: `ray`, `mp` or `uni`), for sleep, wake, weight
 updates, pause/resume and restart. One state machine per model: running / paused /
 sleeping(level, tags asleep) / weights-invalid / failed. Every transition is serialised (a
 second one arriving meanwhile is refused with 409 at once, nothing queues), sent to all ranks
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from .lifecycle import (
+from ..lifecycle import (
     HINTS,
     MODES,
     TAGS,
@@ -32,8 +32,8 @@ from .lifecycle import (
     errors,
     fail_status,
 )
-from .log import get_logger
-from .weight_restore import RestorePlan
+from ..log import get_logger
+from ..weights.restore import RestorePlan
 
 log = get_logger("coordinator")
 
@@ -43,7 +43,7 @@ WeightSource = Callable[[object, object, int, float], list[dict]]
 
 class Coordinator:
     """Transitions of one model's ranks. `hints` names the follow-up calls in errors ('http' or
-    'offline'); `weight_snapshot` is what a restart keeps of tensor updates (weight_restore)."""
+    'offline'); `weight_snapshot` is what a restart keeps of tensor updates (weights/restore.py)."""
 
     def __init__(self, executor, *, sleep_enabled: bool, deadline_s: float | None = None,
                  on_change: Callable[[LifecycleState], None] | None = None, hints: str = "http",

@@ -4,7 +4,8 @@ of a model's TP ranks, whatever runs them (`ray`: an actor per rank, `mp`: a pro
 
 An executor implements `submit` (one call on one rank, answered by a `Future`) and says which
 failures mean a dead rank; everything else (all-rank calls with one deadline and one outcome
-dict per rank, rank 0 calls, teardown) is derived here, the same for every backend.
+dict per rank, rank 0 calls, teardown) is derived here, the same for every backend
+(`backends.make_executor` picks one by name).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from concurrent.futures import Future
 
-from .engine_config import EngineConfig
+from ..engine_config import EngineConfig
 
 
 class RankGone(RuntimeError):
@@ -126,20 +127,3 @@ class Executor:
         else:
             self.kill()
 
-
-def make_executor(config: EngineConfig, backend: str) -> Executor:
-    """'ray' (the product: one actor per rank), 'mp' (one process per rank on this machine, no
-    Ray) or 'uni' (TP 1 in this process: tools, the GPU box)."""
-    if backend == "ray":
-        from .executor import RayExecutor
-
-        return RayExecutor(config)
-    if backend == "mp":
-        from .mp_executor import MpExecutor
-
-        return MpExecutor(config)
-    if backend == "uni":
-        from .local import UniExecutor
-
-        return UniExecutor(config)
-    raise ValueError(f"distributed_executor_backend must be 'ray', 'mp' or 'uni', got {backend!r}")

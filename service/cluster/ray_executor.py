@@ -15,9 +15,9 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .engine_config import EngineConfig
-from .executor_base import Executor, first_line
-from .log import get_logger
+from ..engine_config import EngineConfig
+from ..log import get_logger
+from .executor import Executor, first_line
 from .rank_actor import RankActor
 
 log = get_logger("executor")

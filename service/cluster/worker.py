@@ -1,51 +1,36 @@
-"""RankWorker: one TP rank's model shard, memory pool, KV cache and fused-tail state.
+"""RankWorker: one TP rank's model shard, memory pool, KV cache and fused-tail state: setup,
+execution of step plans, sleep and wake. Its weight updates are in `worker_weights.py`, what
+collective_rpc may call in `worker_rpc.py`.
 
 Rank 0 also hosts the engine (see `engine_loop.py`): it broadcasts each step plan to the other
 ranks over the CPU process group, so there is no per-step Ray call. The other ranks run
 `follow()`, which executes whatever plan arrives until told to stop.
 
-This class knows nothing about Ray: `executor.py` wraps it in an actor.
+This class knows nothing about Ray: `rank_actor.py` adds the engine loop and an executor
+(`ray_executor.py`, `mp_executor.py`, `uni_executor.py`) runs it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 import socket
 import threading
 import time
 
 import torch
 
-from .engine.plan import StepPlan, decode_message, encode_message
-from .engine_config import EngineConfig
-from .log import get_logger
-from .net import free_port
-from .parallel import TPGroup, set_cpu_threads
+from ..engine.plan import StepPlan, decode_message, encode_message
+from ..engine_config import EngineConfig
+from ..lifecycle import EngineStateError
+from ..log import get_logger
+from ..net import free_port
+from ..parallel import TPGroup, set_cpu_threads
+from .worker_rpc import RankRPC
+from .worker_weights import RankWeights
 
 log = get_logger("worker")
 
 
-def _release_freed_heap() -> None:
-    """Hand the heap that a weight load freed (checkpoint slices, received buckets) back to the
-    OS: glibc keeps freed arenas, and an RLHF loop loads weights every cycle, so RSS would creep."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-class EngineStateError(RuntimeError):
-    """The rank cannot run a forward in its current state (asleep, weights discarded, failed)."""
-
-
-# Read-only diagnostics that collective_rpc may call (plus test hooks, see below).
-DIAGNOSTICS = ("tail_state", "weight_checksums", "memory_report", "data_ptrs", "ping", "status")
-# Hooks that change state; only for tests and verify-sleep's negative control.
-TEST_HOOKS = ("zero_tail_flags", "probe_forward", "fail_next_sleep")
-
-
-class RankWorker:
+class RankWorker(RankWeights, RankRPC):
     def __init__(self, rank: int, config: EngineConfig):
         self.rank = rank
         self.config = config
@@ -110,7 +95,7 @@ class RankWorker:
         self._load_initial_weights()
         self._allocate_kv_cache()
         if self.device.type == "cuda":
-            from .model.cuda_graph import for_worker
+            from ..model.cuda_graph import for_worker
 
             self.decode_graphs = for_worker(self.model, self.kv_caches, cfg)
         self.tp.barrier()
@@ -120,9 +105,9 @@ class RankWorker:
         return info
 
     def _build_model(self, group_name: str) -> None:
-        from .memory.pool import MemoryPool
-        from .model.model import CausalLM
-        from .tail.base import TailRunner
+        from ..memory.pool import MemoryPool
+        from ..model.model import CausalLM
+        from ..tail.base import TailRunner
 
         cfg = self.config
         mcfg = cfg.model_config
@@ -161,9 +146,9 @@ class RankWorker:
         if cfg.fused_tail == "off" or self.world_size == 1 or not self.same_node or not mcfg.is_latent:
             return None
         if self.device.type == "cuda":
-            from .tail.triton_tail import TritonTailCollective as Collective
+            from ..tail.triton_tail import TritonTailCollective as Collective
         else:
-            from .tail.shm import ShmTailCollective as Collective
+            from ..tail.shm import ShmTailCollective as Collective
         return Collective(
             self.rank, self.world_size, max_tokens=cfg.fused_tail_max_tokens,
             latent_dim=mcfg.moe_latent_size, hidden_dim=mcfg.hidden_size, dtype=cfg.torch_dtype,
@@ -172,7 +157,7 @@ class RankWorker:
         )
 
     def _load_initial_weights(self) -> None:
-        from . import weights
+        from ..weights import checkpoint as weights
 
         cfg = self.config
         if cfg.checkpoint_dir:
@@ -194,7 +179,7 @@ class RankWorker:
             if not mcfg.is_kda_layer(i):
                 self.kv_caches.append(self.pool.allocate("kv_cache", f"kv_cache.{i}", shape, cfg.torch_dtype))
                 continue
-            from .model.kda import KDAState, kda_state_shapes
+            from ..model.kda import KDAState, kda_state_shapes
 
             rows = {name: self.pool.allocate("kv_cache", f"kda_state.{i}.{name}", (cfg.max_num_seqs, *row),
                                              dtype or cfg.torch_dtype)
@@ -233,7 +218,7 @@ class RankWorker:
 
     def _eager_forward(self, chunks: list, kv_caches: list | None) -> torch.Tensor | None:
         """Logits of the chunks that need them (None if none do); kv_caches=None: cache-less."""
-        from .model.attention import AttnMetadata
+        from ..model.attention import AttnMetadata
 
         meta = AttnMetadata.build(chunks, self.config.block_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
@@ -316,15 +301,6 @@ class RankWorker:
                 self._stale = set(self._discardable_weights())
         return self._report(report)
 
-    def _discardable_weights(self) -> list[str]:
-        import fnmatch
-
-        from .weights import weight_specs
-
-        globs = self.config.sleep_preserve_parameter_names
-        return [s.hf_name for s in weight_specs(self.config.model_config)
-                if not any(fnmatch.fnmatchcase(s.param, g) for g in globs)]
-
     def wake_up(self, tags: list[str] | None = None) -> dict:
         with self._exec_lock:
             report = self.pool.wake_up(tags)
@@ -337,174 +313,6 @@ class RankWorker:
         report["weights_valid"] = self.pool.weights_valid
         report["tail_epochs"] = self.tail_epochs()
         return report
-
-    # ---- weights -----------------------------------------------------------------
-    def _before_weight_update(self) -> None:
-        if "weights" in self.pool.asleep_tags:
-            raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) before update_weights")
-
-    def update_weights_from_path(self, path: str, version: int) -> dict:
-        from . import weights
-
-        self._before_weight_update()
-        t0 = time.perf_counter()
-        with self._exec_lock:
-            weights.load_checkpoint(self.model, self.config.model_config, self.tp, path, progress=False)
-            return self._weights_loaded(version, t0, None)
-
-    def update_weights_from_tensors(self, named_tensors: list, version: int) -> dict:
-        from . import weights
-
-        self._before_weight_update()
-        t0 = time.perf_counter()
-        named = [(n, t) for n, t in named_tensors]
-        problems = weights.check_weights(self.config.model_config,
-                                         {n: (tuple(t.shape), t.dtype) for n, t in named})
-        if problems:
-            raise ValueError("weight update rejected, nothing changed: " + "; ".join(problems))
-        with self._exec_lock:
-            weights.load_weights(self.model, self.config.model_config, self.tp, named)
-            return self._weights_loaded(version, t0, [n for n, _ in named])
-
-    def update_weights_from_refs(self, named_refs: list, version: int) -> dict:
-        """(name, ObjectRef) pairs from a trainer in the same Ray cluster (see weight_transports)."""
-        import ray
-
-        names = [n for n, _ in named_refs]
-        tensors = ray.get([r for _, r in named_refs])
-        return self.update_weights_from_tensors(list(zip(names, tensors)), version)
-
-    def update_weights_from_group(self, host: str, port: int, metas: list[dict], version: int,
-                                  bucket_bytes: int, backend: str = "gloo", timeout_s: float = 120.0) -> dict:
-        """Join the trainer's sync group as rank (tp_rank + 1) and load what it broadcasts."""
-        from . import weights
-        from .weight_sync import SyncGroup, TensorMeta
-
-        self._before_weight_update()
-        t0 = time.perf_counter()
-        tmetas = [TensorMeta.from_json(m) for m in metas]
-        group = SyncGroup(host, port, self.rank + 1, self.world_size + 1, backend=backend,
-                          timeout_s=timeout_s, device=str(self.device))
-        received = 0
-        try:
-            with self._exec_lock:
-                for name, tensor in group.receive(tmetas, bucket_bytes):
-                    weights.load_weights(self.model, self.config.model_config, self.tp, [(name, tensor)])
-                    received += tensor.numel() * tensor.element_size()
-                report = self._weights_loaded(version, t0, [m.name for m in tmetas])
-        finally:
-            group.close()
-        report["bytes"] = received
-        report["gbps"] = round(received / max(report["seconds"], 1e-9) / 1e9, 3)
-        return report
-
-    def _weights_loaded(self, version: int, t0: float, names: list[str] | None) -> dict:
-        """names: the weights written (None: a whole checkpoint)."""
-        self._stale = set() if names is None else self._stale - set(names)
-        self.last_written = names
-        if not self._stale:
-            self.pool.mark_weights_loaded()
-        self.weight_version = version
-        _release_freed_heap()
-        return {"rank": self.rank, "weight_version": version, "weights_valid": self.pool.weights_valid,
-                "missing_weights": len(self._stale), "seconds": round(time.perf_counter() - t0, 4)}
-
-    def snapshot_params(self) -> dict:
-        """Host copies of the parameters the last tensor update wrote (what /restart restores)."""
-        from .weight_restore import snapshot_params
-
-        return snapshot_params(self)
-
-    def restore_params(self, snapshot: dict, version: int) -> dict:
-        from .weight_restore import restore_params
-
-        return restore_params(self, snapshot, version)
-
-    # ---- diagnostics -----------------------------------------------------------------
-    def collective_rpc(self, method: str, *args, **kwargs):
-        if method not in DIAGNOSTICS + TEST_HOOKS:
-            raise ValueError(f"unknown collective_rpc method {method!r}; allowed: {DIAGNOSTICS + TEST_HOOKS}")
-        return getattr(self, "rpc_" + method)(*args, **kwargs)
-
-    def rpc_ping(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid()}
-
-    def _flags_readable(self) -> bool:
-        return "weights" not in self.pool.asleep_tags
-
-    def rpc_tail_state(self) -> list[dict]:
-        return [r.state(live=self._flags_readable()) for r in self.model.tail_runners()]
-
-    def tail_epochs(self) -> dict | None:
-        """Flag state of the fused tail; while the weights sleep, as it was when they went to sleep."""
-        if self.collective is None:
-            return None
-        if not self._flags_readable():
-            return {**(self._epochs_at_sleep or {}), "as_of": "sleep"}
-        return self.collective.state()
-
-    def tail_summary(self) -> dict:
-        runners = self.model.tail_runners() if self.model is not None else []
-        return {"layers": len(runners), "fused": sum(r.fused for r in runners),
-                "reason": next((r.disabled_reason for r in runners if not r.fused), None)}
-
-    def rpc_weight_checksums(self) -> dict:
-        with torch.inference_mode():
-            total = sum(float(p.double().abs().sum()) for p in self.model.parameters())
-        return {"rank": self.rank, "weight_version": self.weight_version, "abs_sum": total}
-
-    def rpc_memory_report(self) -> dict:
-        d = self.pool.describe()
-        d["rank"] = self.rank
-        return d
-
-    def rpc_data_ptrs(self) -> dict:
-        return self.pool.data_ptrs()
-
-    def rpc_status(self) -> dict:
-        return {"rank": self.rank, "node": self.node_id(), "asleep": sorted(self.pool.asleep_tags),
-                "weights_valid": self.pool.weights_valid, "weight_version": self.weight_version,
-                "failed": self.failed, "recoveries": self.recoveries, "last_failure": self.last_failure,
-                "tail": self.tail_summary(), "tail_epochs": self.tail_epochs()}
-
-    def rpc_zero_tail_flags(self) -> dict:
-        """Negative control: lose the Lamport flags as the old level 2 did."""
-        if self.collective is None:
-            raise EngineStateError("no fused tail on this rank")
-        self.collective.zero_flags()
-        return {"rank": self.rank, "tail_epochs": self.tail_epochs()}
-
-    def rpc_probe_forward(self, token_ids: list[int], timeout: float = 60.0) -> dict:
-        """One cache-less forward regardless of sleep state, on all ranks: NaN shows stale reads.
-
-        It needs the TP group, so rank 0 sends it down the plan channel like a step; the other
-        ranks answer with the result their follower loop got.
-        """
-        if self.rank == 0:
-            if self.world_size == 1:
-                return self._probe(token_ids)
-            return self._lead(encode_message("probe", list(token_ids)), lambda: self._probe(token_ids))
-        with self._probe_cv:
-            if not self._probe_cv.wait_for(lambda: self._probe_results, timeout):
-                raise TimeoutError(f"rank {self.rank}: no probe arrived from rank 0 within {timeout}s")
-            return self._probe_results.pop(0)
-
-    def _probe(self, token_ids: list[int]) -> dict:
-        from .engine.plan import SeqChunk
-
-        with self._exec_lock, torch.inference_mode():
-            chunks = [SeqChunk(seq_id=0, token_ids=list(token_ids), start_pos=0, block_table=[])]
-            logits = self._eager_forward(chunks, None)
-        return {"rank": self.rank, "nan": bool(torch.isnan(logits).any()),
-                "argmax": int(logits[-1].nan_to_num(-1e30).argmax())}
-
-    def rpc_fail_next_sleep(self, rank: int | None = None) -> dict:
-        """Test hook: this rank's next sleep raises before it releases anything (one shot).
-        With `rank` only that rank arms it (`collective_rpc("fail_next_sleep", 1)`)."""
-        armed = rank is None or rank == self.rank
-        if armed:
-            self._fail_next_sleep = True
-        return {"rank": self.rank, "armed": armed}
 
     def shutdown(self) -> None:
         if self.collective is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .net import free_port
+from ..net import free_port
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 

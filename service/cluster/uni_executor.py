@@ -1,6 +1,6 @@
 """UniExecutor: TP 1 in this process, no Ray. For machines without Ray (the GPU box) and tools.
 
-It implements the executor interface (executor_base.Executor) like RayExecutor and MpExecutor:
+It implements the executor interface (executor.Executor) like RayExecutor and MpExecutor:
 each call runs on a thread of a small pool, as Ray's threaded actors run theirs, so a control
 call (sleep, wake, diagnostics) is answered while a generate waits and a deadline can pass.
 `rank0` is the RankActor itself (tools reach into its model and caches).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .engine_config import EngineConfig
-from .executor_base import Executor
+from ..engine_config import EngineConfig
+from .executor import Executor
 from .rank_actor import RankActor
 
 

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from .log import get_logger
-from .shm_group import GroupResync
+from ..log import get_logger
+from ..parallel.shm_group import GroupResync
 
 log = get_logger("recovery")
 

@@ -22,9 +22,9 @@ import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .engine_config import EngineConfig
-from .executor_base import Executor, RankGone
-from .log import get_logger
+from ..engine_config import EngineConfig
+from ..log import get_logger
+from .executor import Executor, RankGone
 
 log = get_logger("mp_executor")
 _READY = -1
@@ -145,7 +145,7 @@ def _gpus_visible() -> int:
 
 
 class MpExecutor(Executor):
-    """The executor interface (executor_base.Executor) over one spawned process per rank."""
+    """The executor interface (executor.Executor) over one spawned process per rank."""
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0):
         tp = config.tensor_parallel_size

@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from .tail.shm import _Segment, _tight_sleep_slack
+from ..tail.shm import _Segment, _tight_sleep_slack
 
 _HEADER = 64  # ready, done, gen, gen_ack: int64 each, on their own cache line
 READY, DONE, GEN, GEN_ACK = 0, 1, 2, 3

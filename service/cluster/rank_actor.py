@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from .engine_config import EngineConfig
+from ..engine_config import EngineConfig
 from .worker import RankWorker
 
 
@@ -24,9 +24,9 @@ class RankActor(RankWorker):
         if self.rank != 0:
             self.start_following()
             return
-        from .engine.llm_engine import LLMEngine
+        from ..engine.llm_engine import LLMEngine
+        from ..tokenizer import get_tokenizer
         from .engine_loop import EngineLoop
-        from .tokenizer import get_tokenizer
 
         cfg = self.config
         tokenizer = get_tokenizer(cfg.model, cfg.model_config)

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from .lifecycle import CoordinationError
-from .log import get_logger
+from ..lifecycle import CoordinationError
+from ..log import get_logger
 
 log = get_logger("weight_restore")
 
@@ -118,7 +118,7 @@ class RestorePlan:
 
 def written_params(worker, hf_names: list[str]) -> list[str]:
     """The model parameters that hold these checkpoint tensors on this rank."""
-    from .weights import canonical_name, weight_specs
+    from .specs import canonical_name, weight_specs
 
     cfg = worker.config.model_config
     by_name = {s.hf_name: s.param for s in weight_specs(cfg)}

@@ -11,11 +11,11 @@ import threading
 import time
 from collections import defaultdict
 
-from .engine.llm_engine import LLMEngine
-from .log import get_logger
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .worker import EngineStateError
+from ..engine.llm_engine import LLMEngine
+from ..lifecycle import EngineStateError
+from ..log import get_logger
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 
 log = get_logger("engine")
 
