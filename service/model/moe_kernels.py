@@ -5,9 +5,11 @@ A decode step on a GPU is launch-bound (bench/RESULTS.md): the torch router runs
 experts ~15 (argsort, counts, cumsum, gathers, the CUTLASS setup kernels, the GEMMs, the
 activation, the weighted scatter and the slot sum). Here:
 
-- `route`: one program per token: the router GEMV in fp32, sigmoid or softmax, the correction
-  bias, the group-limited choice (top-2 sum per group, top groups), the top-k by repeated
-  argmax, the weights of the chosen experts (normalized, scaled). Same math as moe.route.
+- `route`: two kernels: the router GEMV in fp32 (many programs of a few experts each, so the
+  router weight streams through many SMs even for one token), then one program per token:
+  sigmoid or softmax, the correction bias, the group-limited choice (top-2 sum per group, top
+  groups), the top-k by repeated argmax, the weights of the chosen experts (normalized,
+  scaled). Same math as moe.route.
 - `experts`: for few tokens (M x top_k pairs small), GEMV-shaped kernels that read only the
   chosen experts' rows: (1) each (token, slot) pair's gate and up rows of w13 against the
   token's input, the gated activation (SiLU or SiTU) in the epilogue; (2) each token's output
@@ -94,20 +96,32 @@ if triton is not None:
         return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
-    def _route_kernel(x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, hidden, stride_x, stride_w, scaling,
-                      E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, N_GROUP: tl.constexpr,
-                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr):
+    def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, hidden, num_experts, stride_x, stride_w, stride_l,
+                              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program (token, block of experts): fp32 logits of BLOCK_E experts over the whole hidden."""
         t = tl.program_id(0)
-        e = tl.arange(0, E_PAD)
-        emask = e < E
-        logits = tl.zeros([E_PAD], tl.float32)
+        e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        emask = e < num_experts
+        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
         for h0 in range(0, hidden, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             hmask = h < hidden
             xv = tl.load(x_ptr + t * stride_x + h, mask=hmask, other=0.0).to(tl.float32)
             wv = tl.load(w_ptr + e[:, None] * stride_w + h[None, :], mask=emask[:, None] & hmask[None, :],
                          other=0.0).to(tl.float32)
-            logits += tl.sum(wv * xv[None, :], 1)
+            acc += wv * xv[None, :]
+        tl.store(logits_ptr + t * stride_l + e, tl.sum(acc, 1), mask=emask)
+
+    @triton.jit
+    def _route_select_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
+                             E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+                             TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                             NORM: tl.constexpr, SOFTMAX: tl.constexpr):
+        """Program per token: scores, bias, group-limited choice, top-k, weights."""
+        t = tl.program_id(0)
+        e = tl.arange(0, E_PAD)
+        emask = e < E
+        logits = tl.load(logits_ptr + t * stride_l + e, mask=emask, other=0.0)
         if SOFTMAX:
             z = tl.where(emask, logits, float("-inf"))
             z = tl.exp(z - tl.max(z, 0))
@@ -212,12 +226,17 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: i
         return weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    block_h = max(16, min(128, 8192 // e_pad))
-    _route_kernel[(m,)](x, weight, bias, weights, ids, hidden, x.stride(0), weight.stride(0), float(scaling),
-                        E=num_experts, E_PAD=e_pad, BLOCK_H=block_h, N_GROUP=max(1, n_group),
-                        TOPK_GROUP=max(1, topk_group), TOP_K=top_k,
-                        K_PAD=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob),
-                        SOFTMAX=bool(softmax), num_warps=4 if e_pad <= 256 else 8)
+    logits = torch.empty(m, num_experts, dtype=torch.float32, device=x.device)
+    # Many small programs: at one token the router's weight (13 MB at Kimi-K3's 896 x 7168) must
+    # still stream through many SMs, not one.
+    block_e = 8 if num_experts >= 256 else 16
+    _router_logits_kernel[(m, triton.cdiv(num_experts, block_e))](
+        x, weight, logits, hidden, num_experts, x.stride(0), weight.stride(0), logits.stride(0),
+        BLOCK_E=block_e, BLOCK_H=256, num_warps=4)
+    _route_select_kernel[(m,)](logits, bias, weights, ids, logits.stride(0), float(scaling),
+                               E=num_experts, E_PAD=e_pad, N_GROUP=max(1, n_group),
+                               TOPK_GROUP=max(1, topk_group), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+                               NORM=bool(norm_topk_prob), SOFTMAX=bool(softmax), num_warps=4 if e_pad <= 256 else 8)
     return weights, ids
 
 

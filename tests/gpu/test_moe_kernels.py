@@ -29,6 +29,7 @@ DEVICE = "cpu" if INTERPRET else "cuda"
     (16, 4, 4, 2, False, True),  # k3-tiny
     (48, 6, 1, 1, False, False),  # experts not a power of 2, ungrouped, k not a power of 2
     (32, 4, 1, 1, True, True),  # softmax scoring
+    (896, 16, 1, 1, False, True),  # Kimi-K3: 896 experts (padded to 1024), top 16
 ])
 def test_route_matches_torch(experts, top_k, n_group, topk_group, softmax, norm):
     g = torch.Generator().manual_seed(experts + top_k)
