@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts", "anchors"), os.path.join(ROOT, "bench")]
 
 import service.weights as weights  # noqa: E402
+import service.weights.checkpoint  # noqa: E402,F401
 from service import LLM, SamplingParams  # noqa: E402
 from service.engine.plan import SeqChunk, StepPlan  # noqa: E402
 
@@ -352,15 +353,15 @@ def to_transformers(model, device: str):
         hf = DeepseekV3ForCausalLM._from_config(hf_cfg, dtype=model.dtype)
     hf.eval()
     ours = dict(model.named_parameters())
+    specs = {s.hf_name: s for s in weights.weight_specs(cfg) if s.param != s.hf_name and s.expert is None}
     for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
         if name.endswith(".experts.gate_up_proj"):
             pre = name.removesuffix("gate_up_proj")
             t.copy_(ours[pre + "w13"])  # gate rows then up rows, as transformers stacks them
         elif name.endswith(".experts.down_proj"):
             t.copy_(ours[name.removesuffix("down_proj") + "w2"])
-        elif name.endswith((".gate_proj.weight", ".up_proj.weight")):  # our MLPs' gate_up_proj halves
-            fused = ours[name.rsplit(".", 2)[0] + ".gate_up_proj.weight"]
-            t.copy_(fused.unflatten(0, (2, -1))[0 if name.endswith(".gate_proj.weight") else 1])
+        elif name in specs:  # a part of one of our fused parameters (gate_up_proj, fused_qkv_a_proj)
+            t.copy_(specs[name].target(ours[specs[name].param]))
         elif name in ours:
             t.copy_(ours[name])
         elif not name.endswith("inv_freq"):
@@ -550,7 +551,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    weights.init_dummy_weights = device_dummy_init  # the worker looks it up at call time
+    # The worker looks it up in service.weights.checkpoint at call time.
+    weights.checkpoint.init_dummy_weights = weights.init_dummy_weights = device_dummy_init
     cuda = args.device.startswith("cuda")
     RESULTS["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     bw = copy_bandwidth(args.device, 4 * GIB if cuda else GIB // 4)

@@ -65,9 +65,12 @@ def test_dummy_init_scale_and_seed():
 def test_parameter_names_are_hf_names_with_fused_experts():
     names = {n for n, _ in build_model(TINY, seed=None).named_parameters()}
     hf = set(expected_weights(TINY))
-    # The MLPs' gate and up are one gate_up_proj parameter (one GEMM), as the experts' w13.
+    # The MLPs' gate and up are one gate_up_proj parameter (one GEMM), as the experts' w13, and
+    # MLA's q_a and kv_a one fused_qkv_a_proj.
     fused = {n.replace("gate_proj", "gate_up_proj") for n in hf if n.endswith(".gate_proj.weight") and ".experts." not in n}
-    plain = {n for n in hf if ".experts." not in n and not n.endswith((".gate_proj.weight", ".up_proj.weight"))}
+    fused |= {n.replace("q_a_proj", "fused_qkv_a_proj") for n in hf if n.endswith(".q_a_proj.weight")}
+    plain = {n for n in hf if ".experts." not in n
+             and not n.endswith((".gate_proj.weight", ".up_proj.weight", ".q_a_proj.weight", ".kv_a_proj_with_mqa.weight"))}
     assert plain | fused == {n for n in names if ".experts." not in n}
     assert {n for n in names if ".experts." in n} == {
         f"model.layers.{i}.mlp.experts.{w}" for i in range(1, TINY.num_hidden_layers) for w in ("w13", "w2")}

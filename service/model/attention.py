@@ -200,12 +200,13 @@ class MLAAttention(nn.Module):
         h, n = cfg.hidden_size, cfg.num_attention_heads
         self.q_lora_rank = cfg.q_lora_rank
         if cfg.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype)
+            # q_a and kv_a (with the shared rope key) read the same input: one GEMM.
+            self.fused_qkv_a_proj = ReplicatedLinear(h, cfg.q_lora_rank + cfg.kv_cache_dim, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, n * self.qk_dim, tp, dtype)
         else:
             self.q_proj = ColumnParallelLinear(h, n * self.qk_dim, tp, dtype)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, cfg.kv_cache_dim, dtype)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(h, cfg.kv_cache_dim, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, n * (self.nope + self.v_dim), tp, dtype)
         self.o_proj = RowParallelLinear(n * self.v_dim, h, tp, dtype)
@@ -215,11 +216,12 @@ class MLAAttention(nn.Module):
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, c_kv, k_pe = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank, self.rope], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q = self.q_proj(x)
+            c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         q = q.view(t, self.num_heads, self.qk_dim)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         if self.use_rope:
             q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], dim=-1)
             k_pe = apply_rope(k_pe, cos, sin, self.interleave)

@@ -53,10 +53,15 @@ class WeightSpec:
     # (i, n): the parameter stacks n tensors along dim 0 and this is the i-th (gate and up of
     # the experts share one w13, each rank holding its shard of both)
     part: tuple[int, int] | None = None
+    # (start, stop): rows of a replicated parameter that concatenates tensors of different
+    # heights (MLA's q_a and kv_a projections read the same input: one GEMM)
+    rows: tuple[int, int] | None = None
 
     def target(self, param: torch.Tensor) -> torch.Tensor:
         """This tensor's (this rank's) place in its model parameter."""
         t = param[self.expert] if self.expert is not None else param
+        if self.rows is not None:
+            return t[self.rows[0]:self.rows[1]]
         return t.unflatten(0, (self.part[1], -1))[self.part[0]] if self.part is not None else t
 
     def rank_index(self, tp: TPGroup) -> tuple[slice, ...]:
@@ -74,8 +79,8 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
     specs: list[WeightSpec] = []
 
     def add(name: str, shape: tuple[int, ...], shard_dim: int | None, kind: str = "matrix",
-            param: str | None = None) -> None:
-        specs.append(WeightSpec(name, shape, param or name, shard_dim, kind=kind))
+            param: str | None = None, rows: tuple[int, int] | None = None) -> None:
+        specs.append(WeightSpec(name, shape, param or name, shard_dim, kind=kind, rows=rows))
 
     def mlp(prefix: str, inter: int, param: str | None = None) -> None:
         fused = f"{param or prefix}.gate_up_proj.weight"  # one GEMM for gate and up, as w13
@@ -129,14 +134,17 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
 
 
 def _mla_specs(cfg: ModelConfig, a: str, add) -> None:
-    h, n = cfg.hidden_size, cfg.num_attention_heads
-    if cfg.q_lora_rank:
-        add(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h), None)
-        add(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,), None, "norm")
-        add(f"{a}.q_b_proj.weight", (n * cfg.qk_head_dim, cfg.q_lora_rank), 0)
+    h, n, q_lora = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank
+    # With a q LoRA, q_a and kv_a both project the layer input: one parameter, one GEMM.
+    fused = f"{a}.fused_qkv_a_proj.weight" if q_lora else None
+    if q_lora:
+        add(f"{a}.q_a_proj.weight", (q_lora, h), None, param=fused, rows=(0, q_lora))
+        add(f"{a}.q_a_layernorm.weight", (q_lora,), None, "norm")
+        add(f"{a}.q_b_proj.weight", (n * cfg.qk_head_dim, q_lora), 0)
     else:
         add(f"{a}.q_proj.weight", (n * cfg.qk_head_dim, h), 0)
-    add(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_cache_dim, h), None)
+    add(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_cache_dim, h), None, param=fused,
+        rows=(q_lora, q_lora + cfg.kv_cache_dim) if q_lora else None)
     add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), None, "norm")
     add(f"{a}.kv_b_proj.weight", (n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), 0)
     add(f"{a}.o_proj.weight", (h, n * cfg.v_head_dim), 1)
