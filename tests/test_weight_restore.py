@@ -5,6 +5,8 @@ update wrote, restored into a fresh engine, gives the same tokens and version.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,3 +120,26 @@ def test_rank_snapshot_restores_a_tensor_update_into_fresh_ranks():
         assert [o.outputs[0].token_ids for o in outs] == served and outs[0].weight_version == 7
         with pytest.raises(ValueError, match="does not fit"):
             fresh.executor.rank0.restore_params({"lm_head.weight": torch.zeros(2, 2)}, 8)
+
+
+def test_offline_restart_goes_through_the_coordinator_and_keeps_the_policy(tmp_path):
+    """LLM.restart is the HTTP restart's path (Coordinator.restart): fresh ranks, then the last
+    path checkpoint and, with weight_snapshot='host', the tensor update after it, same version."""
+    from service.weights import save_checkpoint
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=2, torch_dtype="float32")
+    named = dict(checkpoint_tensors(cfg, seed=0))
+    ckpt = str(tmp_path / "trained")
+    save_checkpoint(cfg, ckpt, {n: (-t if n == "lm_head.weight" else t) for n, t in named.items()})
+    policy = [("model.norm.weight", named["model.norm.weight"] * 0.5)]
+    kw = dict(distributed_executor_backend="uni", dtype="float32", hf_overrides={"num_hidden_layers": 2})
+    with LLM("tiny", weight_snapshot="host", **kw) as llm:
+        startup = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert llm.update_weights_from_path(ckpt) == 1 and llm.update_weights(policy) == 2
+        served = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        old = llm.executor
+        report = llm.restart()
+        assert llm.executor is not old and report["weight_version"] == 2 and report["state"] == "running"
+        assert report["restored"]["from"] == "path + snapshot" and report["note"] is None
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == served != startup and outs[0].weight_version == 2
