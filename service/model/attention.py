@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,77 +105,72 @@ class AttnMetadata:
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, device: torch.device | str) -> AttnMetadata:
+        # Built in numpy and handed to torch without a copy: a decode step of 16 sequences took
+        # ~170 us in ~60 small torch ops, now ~60 us.
         if not chunks:
             raise ValueError("a step needs at least one chunk")
-        positions: list[int] = []
-        query_lens, starts, ctx_lens, logits_idx = [], [], [], []
-        paged = True
-        for c in chunks:
-            n = len(c.token_ids)
-            if n == 0:
-                raise ValueError(f"sequence {c.seq_id}: empty chunk")
-            positions.extend(range(c.start_pos, c.start_pos + n))
-            query_lens.append(n)
-            starts.append(c.start_pos)
-            ctx_lens.append(c.start_pos + n)
-            if c.needs_logits:
-                logits_idx.append(len(positions) - 1)
-            if len(c.block_table) * block_size < c.start_pos + n:
-                paged = False
+        query_lens = [len(c.token_ids) for c in chunks]
+        if 0 in query_lens:
+            raise ValueError(f"sequence {chunks[query_lens.index(0)].seq_id}: empty chunk")
+        starts = [c.start_pos for c in chunks]
+        ctx_lens = [s + n for s, n in zip(starts, query_lens)]
+        paged = all(len(c.block_table) * block_size >= e for c, e in zip(chunks, ctx_lens))
         qsl = [0]
         for n in query_lens:
             qsl.append(qsl[-1] + n)
-
-        def blocks(i: int) -> list[int]:
-            return list(chunks[i].block_table[: -(-ctx_lens[i] // block_size)]) if paged else []
-
-        def padded(rows: list[list[int]]) -> torch.Tensor:
-            width = max((len(r) for r in rows), default=0)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).view(len(rows), width)
-
-        all_blocks = [blocks(i) for i in range(len(chunks))]
-        block_tables = padded(all_blocks)
-        pos = torch.tensor(positions, dtype=torch.long)
+        logits_idx = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.needs_logits]
+        lens = np.array(query_lens, dtype=np.int64)
+        chunk_of_token = np.repeat(np.arange(len(chunks)), lens)
+        positions = np.arange(qsl[-1], dtype=np.int64) + np.repeat(np.array(starts, dtype=np.int64)
+                                                                   - np.array(qsl[:-1], dtype=np.int64), lens)
+        # Block tables padded with block 0; without paging (cache-less chunks) zero columns.
+        nblocks = [-(-e // block_size) if paged else 0 for e in ctx_lens]
+        block_tables = np.zeros((len(chunks), max(nblocks)), dtype=np.int64)
+        for i, c in enumerate(chunks):
+            block_tables[i, :nblocks[i]] = c.block_table[:nblocks[i]]
         slot_mapping = None
         if paged:
-            chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens))
-            slot_mapping = block_tables[chunk_of_token, pos // block_size] * block_size + pos % block_size
+            slot_mapping = (block_tables[chunk_of_token, positions // block_size] * block_size
+                            + positions % block_size)
 
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
-        decode_tables = padded([all_blocks[i] for i in decodes])
-        decode_ctx = torch.tensor([ctx_lens[i] for i in decodes], dtype=torch.long)
+        decode_tables = block_tables[decodes, :max((nblocks[i] for i in decodes), default=0)]
+        decode_ctx = np.array([ctx_lens[i] for i in decodes], dtype=np.int64)
         decode_slots = decode_bias = None
         if paged and decodes:
-            width = int(decode_ctx.max())
-            ctx_pos = torch.arange(width)
+            ctx_pos = np.arange(int(decode_ctx.max()), dtype=np.int64)
             inside = ctx_pos[None, :] < decode_ctx[:, None]
-            ctx_pos = torch.where(inside, ctx_pos[None, :], 0)
-            decode_slots = decode_tables.gather(1, ctx_pos // block_size) * block_size + ctx_pos % block_size
-            decode_bias = torch.zeros(len(decodes), 1, width).masked_fill_(~inside[:, None, :], float("-inf"))
+            ctx_pos = np.where(inside, ctx_pos[None, :], 0)
+            decode_slots = (np.take_along_axis(decode_tables, ctx_pos // block_size, 1) * block_size
+                            + ctx_pos % block_size)
+            decode_bias = np.where(inside, np.float32(0), np.float32("-inf"))[:, None, :]
 
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+        def ints(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64)
 
         return cls(
-            positions=dev(pos),
+            positions=dev(positions),
             slot_mapping=dev(slot_mapping) if slot_mapping is not None else None,
-            query_start_loc=dev(torch.tensor(qsl, dtype=torch.long)),
-            context_lens=dev(torch.tensor(ctx_lens, dtype=torch.long)),
+            query_start_loc=dev(ints(qsl)),
+            context_lens=dev(ints(ctx_lens)),
             block_tables=dev(block_tables),
-            logits_indices=dev(torch.tensor(logits_idx, dtype=torch.long)),
+            logits_indices=dev(ints(logits_idx)),
             block_size=block_size,
             query_lens=query_lens,
             query_starts=qsl,
             start_positions=starts,
             context_lens_list=ctx_lens,
             max_position=max(ctx_lens) - 1,
-            decode_token_idx=dev(torch.tensor([qsl[i] for i in decodes], dtype=torch.long)),
+            decode_token_idx=dev(ints([qsl[i] for i in decodes])),
             decode_block_tables=dev(decode_tables),
             decode_slots=dev(decode_slots) if decode_slots is not None else None,
             decode_bias=dev(decode_bias) if decode_bias is not None else None,
             prefill_chunks=[i for i, n in enumerate(query_lens) if n > 1],
             decode_context_lens=dev(decode_ctx),
-            state_slots=dev(torch.tensor([c.state_slot for c in chunks], dtype=torch.long)),
+            state_slots=dev(ints([c.state_slot for c in chunks])),
             state_slots_list=[c.state_slot for c in chunks],
         )
 

@@ -58,6 +58,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":  # torch's rms_norm: 5 ops instead of 8, bit-identical here
+            return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
         return rms_norm_hf(x, self.weight, self.eps)
 
 
