@@ -8,9 +8,9 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
   host packing + one copy + replay) and eagerly. Floor = bytes a step must read (every weight
   but the embedding table, of the routed experts only those the step's tokens chose, plus the
   KV contexts) over the device copy bandwidth measured here (bytes read + written per second).
-  The same model is built four times in the run: the default (elementwise chains compiled,
-  Triton MoE router and GEMV experts), whole decoder layers compiled inside the graphs
-  (LATENTSERVE_COMPILE=layers), nothing compiled (LATENTSERVE_COMPILE=0), and the torch router
+  The same model is built four times in the run: the default (whole decoder layers compiled
+  inside the graphs, Triton MoE router and GEMV experts), only the elementwise chains compiled
+  (LATENTSERVE_COMPILE=chains), nothing compiled (LATENTSERVE_COMPILE=0), and the torch router
   and grouped-GEMM experts (LATENTSERVE_MOE_KERNELS=0); kernels per layer are counted by the
   profiler over one graph replay of each.
 - throughput: `small` with the latent MoE off (plain DeepSeek-V3, 7.4 GB), the same weights in
@@ -181,7 +181,7 @@ def decode_llm(args, **kw) -> LLM:
     t0 = time.perf_counter()
     llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
                    cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
-    build = (f"compile={os.environ.get('LATENTSERVE_COMPILE', 'chains')},"
+    build = (f"compile={os.environ.get('LATENTSERVE_COMPILE', 'layers')},"
              f"moe_kernels={os.environ.get('LATENTSERVE_MOE_KERNELS', '1')}")
     RESULTS.setdefault("engine_up_s", {})[build] = time.perf_counter() - t0
     fill_caches(llm)
@@ -241,7 +241,7 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
 
 def mode_graph_ms(args, env: dict[str, str]) -> dict:
     """Decode graph step ms per batch, and replay profiles, of the same model built under `env`
-    (LATENTSERVE_COMPILE=0: nothing compiled, =layers: whole decoder layers compiled;
+    (LATENTSERVE_COMPILE=0: nothing compiled, =chains: only the elementwise chains;
     LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -270,8 +270,8 @@ def mode_graph_ms(args, env: dict[str, str]) -> dict:
     return {"ms": ms, "profiles": profiles}
 
 
-# The default build (chains compiled, Triton MoE kernels) is timed against these, same model.
-BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "layers": {"LATENTSERVE_COMPILE": "layers"},
+# The default build (layers compiled, Triton MoE kernels) is timed against these, same model.
+BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE_COMPILE": "chains"},
              "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"}}
 
 
@@ -480,18 +480,18 @@ def print_table(args, bw: float) -> None:
     up = {k: round(v, 1) for k, v in RESULTS.get("engine_up_s", {}).items()}
     print(f"decode graphs: compiled layers {compiled}; engine up (s) by build: {up}")
     print(f"{'decode (ctx ' + str(args.context) + ')':16s} {'floor ms':>9s} {'graph ms':>9s} {'replay ms':>10s} "
-          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'layers ms':>10s} {'vs layers':>10s} "
+          f"{'eager ms':>9s} {'floor/step':>11s} {'GB read':>8s} {'chains ms':>10s} {'vs chains':>10s} "
           f"{'no-compile ms':>14s} {'vs none':>8s} {'torch-MoE ms':>13s} {'vs torch-MoE':>13s} {'k/layer':>8s} "
-          f"{'layers k/l':>11s} {'none k/l':>9s} {'torch-MoE k/l':>14s}")
+          f"{'chains k/l':>11s} {'none k/l':>9s} {'torch-MoE k/l':>14s}")
     nan = float("nan")
     for r in RESULTS.get("decode", []):
         g = r.get("graph_ms", nan)
         print(f"{'batch ' + str(r['batch']):16s} {r['floor_ms']:9.3f} {g:9.3f} "
               f"{r.get('replay_ms', nan):10.3f} {r['eager_ms']:9.3f} {r['floor_fraction']:11.3f} "
-              f"{r['bytes'] / 1e9:8.2f} {r.get('layers_graph_ms', nan):10.3f} {r.get('layers_graph_ms', nan) / g:10.2f} "
+              f"{r['bytes'] / 1e9:8.2f} {r.get('chains_graph_ms', nan):10.3f} {r.get('chains_graph_ms', nan) / g:10.2f} "
               f"{r.get('uncompiled_graph_ms', nan):14.3f} {r.get('uncompiled_graph_ms', nan) / g:8.2f} "
               f"{r.get('torch_moe_graph_ms', nan):13.3f} {r.get('torch_moe_graph_ms', nan) / g:13.2f} "
-              f"{r.get('kernels_per_layer', nan):8.1f} {r.get('layers_kernels_per_layer', nan):11.1f} "
+              f"{r.get('kernels_per_layer', nan):8.1f} {r.get('chains_kernels_per_layer', nan):11.1f} "
               f"{r.get('uncompiled_kernels_per_layer', nan):9.1f} {r.get('torch_moe_kernels_per_layer', nan):14.1f}")
     v = RESULTS.get("vs_transformers")
     if v:

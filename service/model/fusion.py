@@ -14,10 +14,11 @@ elementwise ops (an RMSNorm is 7, rope 10, the router's group-limited top-k ~15)
 CPU tensors keep the eager function: nothing is launch-bound there and CI needs no compiler.
 A compiler failure turns that compiled path off for good (logged) and runs the eager code; an
 error of the computation itself propagates. LATENTSERVE_COMPILE picks the grain: `0` nothing
-compiled (the bench's baseline), `chains` (the default) only the `fused` chains, `layers` both.
-The default is `chains` because whole compiled layers measured slower on the H200 (bench/RESULTS.md,
-2026-12-03: 11.3 vs 5.5 ms at batch 1, 15.5 vs 9.6 ms at batch 64) although they run fewer kernels
-(52 vs 68 per layer).
+compiled (the bench's baseline), `chains` only the `fused` chains, `layers` (the default) both.
+Compiled layers first measured 2x slower than the chains (2026-12-03: Inductor turned the
+KV-cache write into a copy of the whole cache); with that write an opaque op
+(attention.write_kv) they are the faster grain at every batch size (bench/RESULTS.md: 4.04 vs
+4.21 ms at batch 1, 10.9 vs 12.4 ms at batch 256 on the H200), hence the default.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ _RECOMPILE_LIMIT = 64
 
 
 def compile_mode() -> str:
-    """'off', 'chains' or 'layers' (LATENTSERVE_COMPILE=0 / chains, the default / layers)."""
-    value = os.environ.get("LATENTSERVE_COMPILE", "chains").strip().lower()
-    return "off" if value == "0" else "layers" if value == "layers" else "chains"
+    """'off', 'chains' or 'layers' (LATENTSERVE_COMPILE=0 / chains / layers, the default)."""
+    value = os.environ.get("LATENTSERVE_COMPILE", "layers").strip().lower()
+    return "off" if value == "0" else "chains" if value == "chains" else "layers"
 
 
 def compile_enabled() -> bool:

@@ -82,9 +82,12 @@ def compare(ref, ours, floor: float) -> dict:
             "unexplained": [d for d in divergences if d["ref_margin"] >= tol]}
 
 
-# bf16 runs round every activation: two bf16 engines that sum in different orders drift apart by
-# a few tenths of a logit over 24 tokens (seen on CPU: bf16 vs fp32 differ by 0.17 in logprob),
-# so greedy paths part at margins of that size. A wrong kernel differs by whole logits at once.
+# bf16 runs round every activation: a bf16 engine drifts from the exact path by a few tenths of a
+# logit over 24 tokens (on CPU: bf16 vs fp32 differ by 0.17 in logprob), so greedy paths part at
+# margins of that size. A wrong kernel differs by whole logits at once. The bf16 CUDA run is held
+# to the CPU engine in fp32: the margins at a divergence must come from the exact path, since a
+# bf16 reference has drifted too (CPU bf16 shows a 0.53 margin where fp32's is 0.05, and the
+# H200's bf16 run parted from it there, on every kernel variant: bench/RESULTS.md, 2026-12-03).
 @pytest.mark.parametrize("dtype,floor,max_noise,eager", [
     ("float32", 1e-3, 1e-3, False),  # fp32 runs eagerly anyway (no graphs: see below)
     ("bfloat16", 1e-2, 0.5, False),
@@ -101,8 +104,8 @@ def test_greedy_matches_cpu_engine(cpu_reference, dtype, floor, max_noise, eager
             assert g is None  # fp32 MoE runs the per-expert loop (host sync): no graphs
     finally:
         llm.shutdown()
-    rep = compare(cpu_reference(dtype), outs, floor)
-    print(f"\n{dtype} eager={eager}: logprob noise vs the CPU engine ({dtype}) {rep['noise']:.2e}, tie tolerance "
+    rep = compare(cpu_reference("float32"), outs, floor)
+    print(f"\n{dtype} eager={eager}: logprob noise vs the CPU engine (float32) {rep['noise']:.2e}, tie tolerance "
           f"{rep['tol']:.2e}, first divergences {rep['divergences']}")
     assert rep["noise"] < max_noise, f"logprobs differ from the CPU engine by {rep['noise']:.3f}: not rounding"
     assert not rep["unexplained"], f"divergences at clear margins: {rep['unexplained']}"

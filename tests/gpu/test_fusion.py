@@ -89,7 +89,7 @@ def _rel(a, b):
 
 
 def test_compiled_decode_layers_in_graphs_match_the_eager_step(monkeypatch):
-    monkeypatch.setenv("LATENTSERVE_COMPILE", "layers")  # opt-in: slower than the chains on the H200 today
+    monkeypatch.setenv("LATENTSERVE_COMPILE", "layers")  # the default; set in case the environment says otherwise
     llm = LLM(model="tiny", hf_overrides=OVERRIDES, dtype="bfloat16", device=DEV, seed=0,
               distributed_executor_backend="uni", cuda_graph_batch_sizes=[1, 4, 8])
     try:
