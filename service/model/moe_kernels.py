@@ -1,4 +1,4 @@
-"""Triton kernels for the MoE of a decode step: routing in one kernel, the routed experts in two.
+"""Triton kernels for the MoE of a decode step: routing in two kernels, the routed experts in three.
 
 A decode step on a GPU is launch-bound (bench/RESULTS.md): the torch router runs ~10 kernels
 (fp32 GEMV, sigmoid, group top-2 sums, two top-k's, gathers, normalization) and the grouped-GEMM
@@ -12,9 +12,9 @@ activation, the weighted scatter and the slot sum). Here:
   scaled). Same math as moe.route.
 - `experts`: for few tokens (M x top_k pairs small), GEMV-shaped kernels that read only the
   chosen experts' rows: (1) each (token, slot) pair's gate and up rows of w13 against the
-  token's input, the gated activation (SiLU or SiTU) in the epilogue; (2) each token's output
-  rows: w2 of every chosen expert against that slot's activation, weighted and summed over the
-  slots in slot order (deterministic, no atomics). Roundings follow the torch path: GEMM
+  token's input, the gated activation (SiLU or SiTU) in the epilogue; (2) each pair's weighted
+  down projection in fp32, then (3) each token's sum over its slots in slot order
+  (deterministic, no atomics). Roundings follow the torch path: GEMM
   outputs in the activation dtype, the activation as in layers.act_and_mul, the slot sum in fp32.
 
 Both are `torch.library` custom ops, so compiled decoder layers keep them opaque, and they run
@@ -193,26 +193,35 @@ if triton is not None:
         tl.store(h_ptr + p * stride_h + n, h.to(dtype), mask=nmask)
 
     @triton.jit
-    def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, width, shard, stride_h, stride_we, stride_wn,
-                     stride_o, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        t = tl.program_id(0)
+    def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, part_ptr, width, shard, stride_h, stride_we, stride_wn,
+                     stride_p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (pair, block of output rows): the weighted down projection of one expert for
+        one token, in fp32 (each slot's GEMM output rounded to the activation dtype first)."""
+        p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < width
-        dtype = out_ptr.dtype.element_ty
-        total = tl.zeros([BLOCK_N], tl.float32)
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, shard, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < shard
+            hv = tl.load(h_ptr + p * stride_h + k, mask=kmask, other=0.0).to(tl.float32)
+            wv = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
+                         mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc += wv * hv[None, :]
+        y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + p)
+        tl.store(part_ptr + p * stride_p + n, y, mask=nmask)
+
+    @triton.jit
+    def _slot_sum_kernel(part_ptr, out_ptr, width, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] = sum over the token's slots in slot order (deterministic), in the output dtype."""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        nmask = n < width
+        total = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(TOP_K):
-            p = t * TOP_K + j
-            expert = tl.load(ids_ptr + p).to(tl.int64)
-            acc = tl.zeros([BLOCK_N], tl.float32)
-            for k0 in range(0, shard, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                kmask = k < shard
-                hv = tl.load(h_ptr + p * stride_h + k, mask=kmask, other=0.0).to(tl.float32)
-                wv = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
-                             mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(wv * hv[None, :], 1)
-            total += acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + p)
-        tl.store(out_ptr + t * stride_o + n, total.to(dtype), mask=nmask)
+            total += tl.load(part_ptr + (t * TOP_K + j) * stride_p + n, mask=nmask, other=0.0)
+        tl.store(out_ptr + t * stride_o + n, total.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
@@ -229,10 +238,12 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: i
     logits = torch.empty(m, num_experts, dtype=torch.float32, device=x.device)
     # Many small programs: at one token the router's weight (13 MB at Kimi-K3's 896 x 7168) must
     # still stream through many SMs, not one.
-    block_e = 8 if num_experts >= 256 else 16
-    _router_logits_kernel[(m, triton.cdiv(num_experts, block_e))](
+    # 4 experts per program, 1024 of the hidden per load: few dependent loads per program (16
+    # experts x 256 per load spent 16 us per layer at batch 1 on the H200, latency-bound).
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _router_logits_kernel[(m, triton.cdiv(num_experts, 4))](
         x, weight, logits, hidden, num_experts, x.stride(0), weight.stride(0), logits.stride(0),
-        BLOCK_E=block_e, BLOCK_H=256, num_warps=4)
+        BLOCK_E=4, BLOCK_H=block_h, num_warps=4)
     _route_select_kernel[(m,)](logits, bias, weights, ids, logits.stride(0), float(scaling),
                                E=num_experts, E_PAD=e_pad, N_GROUP=max(1, n_group),
                                TOPK_GROUP=max(1, topk_group), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
@@ -257,10 +268,15 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
         x, w13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None,
         BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
-    block_n = 16 if m <= 4 else 32
-    _down_kernel[(m, triton.cdiv(w2.shape[1], block_n))](
-        h, w2, ids, weights, out, w2.shape[1], shard, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+    # One program per (pair, 32 output rows), then the slot sum: a token's experts in parallel
+    # (looping over them in one program left the kernel latency-bound: 41 us per layer at batch 1).
+    width_out = w2.shape[1]
+    part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
+    _down_kernel[(m * top_k, triton.cdiv(width_out, 32))](
+        h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
+        BLOCK_N=32, BLOCK_K=128, num_warps=4)
+    _slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](part, out, width_out, part.stride(0), out.stride(0),
+                                                         TOP_K=top_k, BLOCK=1024, num_warps=4)
     return out
 
 
