@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from ..tail.shm import _Segment, _tight_sleep_slack
+from .shm_segment import Segment, tight_sleep_slack
 
 _HEADER = 64  # ready, done, gen, gen_ack: int64 each, on their own cache line
 READY, DONE, GEN, GEN_ACK = 0, 1, 2, 3
@@ -65,11 +65,11 @@ class ShmGroup:
         self._gen = 0  # resync generation this rank has completed
         self._lock = threading.Lock()
         size = self.nbytes = _HEADER + 2 * slot_bytes
-        own = _Segment(segment_name(group_name, rank), size, create=True)
+        own = Segment(segment_name(group_name, rank), size, create=True)
         self._segments = [own]
         atexit.register(self.close)
         barrier()
-        segs = [own if p == rank else _Segment(segment_name(group_name, p), size, create=False)
+        segs = [own if p == rank else Segment(segment_name(group_name, p), size, create=False)
                 for p in range(world_size)]
         self._segments = segs
         barrier()
@@ -89,7 +89,7 @@ class ShmGroup:
         while not all(v[counter] >= n for v in views):
             now = time.perf_counter()
             if now - start > _SPIN_S:
-                _tight_sleep_slack()
+                tight_sleep_slack()
                 time.sleep(_IDLE_SLEEP_S if deadline_s is None and now - start > 0.01 else _SLEEP_S)
             if self.resync_requested():
                 raise GroupResync(f"TP rank {self.rank}: shared-memory {what} (op {n}) abandoned: a peer "
@@ -210,7 +210,7 @@ class ShmGroup:
             if deadline_s is not None and waited > deadline_s:
                 raise CollectiveTimeout(f"TP rank {self.rank}: shared-memory {what}, generation {g}: ranks "
                                         f"{late} did not join within {deadline_s:g}s (dead or stuck)")
-            _tight_sleep_slack()
+            tight_sleep_slack()
             time.sleep(_IDLE_SLEEP_S if waited > 0.01 else _SLEEP_S)
 
     def close(self) -> None:

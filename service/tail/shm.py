@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import mmap
-import os
 import re
-import threading
 import time
 
 import numpy as np
 import torch
 
+from ..parallel.shm_segment import Segment, SegmentSizeError, tight_sleep_slack
 from .base import latent_norm
 from .protocol import (
     BTC,
@@ -47,14 +45,11 @@ from .protocol import (
     timeout_error,
 )
 
-_SHM_DIR = "/dev/shm"
 # Busy-poll this long before sleeping: peers usually answer within microseconds, but ranks
 # may share few cores, and a long spin steals the CPU a peer needs to answer. sched_yield is
 # no cheaper a wait: on a busy core it hands over a whole timeslice (milliseconds).
 _SPIN_S = 20e-6
 _SLEEP_S = 20e-6
-_PR_SET_TIMERSLACK = 29
-_slack_set = threading.local()
 _NP_BITS = {torch.int32: np.int32, torch.int16: np.int16}
 
 
@@ -63,64 +58,11 @@ def segment_name(group_name: str, rank: int) -> str:
     return f"latentserve-tail-{safe}-r{rank}"
 
 
-def _tight_sleep_slack() -> None:
-    """Let this thread's short sleeps end near their time (Linux adds 50 us slack by default)."""
-    if getattr(_slack_set, "done", False):
-        return
-    _slack_set.done = True
+def _segment(name: str, size: int, create: bool) -> Segment:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: sleeps are just a little longer
-        pass
-
-
-class _Segment:
-    """One rank's comm region as mapped in this process."""
-
-    def __init__(self, name: str, size: int, create: bool):
-        self.name, self.size, self.owner = name, size, create
-        path = os.path.join(_SHM_DIR, name)
-        if create:
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                # A crashed run with the same group name left it behind; peers attach only after
-                # the barrier that follows this constructor, so recreating it is safe.
-                os.unlink(path)
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-        else:
-            fd = os.open(path, os.O_RDWR)
-            found = os.fstat(fd).st_size
-            if found != size:
-                os.close(fd)
-                raise TailStateError(f"tail segment {name} has {found} bytes, expected {size}: "
-                                     f"ranks disagree about the tail configuration")
-        try:
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._anchor = ctypes.c_char.from_buffer(self.mm)
-        self.base = ctypes.addressof(self._anchor)
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        return self.base <= addr and addr + nbytes <= self.base + self.size
-
-    def unlink(self) -> None:
-        if self.owner:
-            self.owner = False
-            try:
-                os.unlink(os.path.join(_SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
-
-    def close(self) -> None:
-        self._anchor = None
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-            pass
-        self.unlink()
+        return Segment(name, size, create)
+    except SegmentSizeError as e:
+        raise TailStateError(f"{e}: ranks disagree about the tail configuration") from None
 
 
 class _Mailbox:
@@ -159,18 +101,18 @@ class ShmTailCollective:
         self._rflags = self.routed_flags.numpy()
         self._sflags = self.shared_flags.numpy()
         self._table = self.peer_ptrs.numpy()
-        self._segments: list[_Segment] = []
+        self._segments: list[Segment] = []
         self._views: dict[bytes, list[list[_Mailbox]]] = {}
         self._closed = False
 
-        own = _Segment(segment_name(group_name, rank), self.layout.total_bytes, create=True)
+        own = _segment(segment_name(group_name, rank), self.layout.total_bytes, create=True)
         self._segments.append(own)
         atexit.register(self.close)
         self._fill_empty(own.base)
         barrier()
         rows = []
         for p in range(world_size):
-            seg = own if p == rank else _Segment(segment_name(group_name, p), self.layout.total_bytes,
+            seg = own if p == rank else _segment(segment_name(group_name, p), self.layout.total_bytes,
                                                  create=False)
             if p != rank:
                 self._segments.append(seg)
@@ -309,7 +251,7 @@ class ShmTailCollective:
         while True:
             now = time.perf_counter()
             if now - start >= _SPIN_S:
-                _tight_sleep_slack()
+                tight_sleep_slack()
                 time.sleep(_SLEEP_S)
             if ready():
                 return

@@ -25,7 +25,8 @@ from service.net import free_port  # noqa: E402
 from service.tail.base import TailTimeout, latent_norm, unfused_tail  # noqa: E402
 from service.tail.triton_tail import VirtualTailGroup  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+# Interpreted runs are CPU runs: the gpu marker would make conftest skip them.
+pytestmark = [pytest.mark.timeout(600)] + ([] if INTERPRET else [pytest.mark.gpu])
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
