@@ -56,6 +56,9 @@ TARGETS = [
     ("service.tail.base", "TailRunner.__call__"),
 ]
 
+# --clock thread: CPU time of the calling thread (what other load on the box does not inflate,
+# except through shared caches); default wall time.
+_clock = time.thread_time if os.environ.get("LATENTSERVE_STEP_PROFILE_CLOCK") == "thread" else time.perf_counter
 _stats: dict[str, list[float]] = {}  # name -> [calls, inclusive s, exclusive s]
 _local = threading.local()
 
@@ -67,11 +70,11 @@ def _wrap(name: str, fn):
         if stack is None:
             stack = _local.stack = []
         stack.append(0.0)  # time of timed children
-        t0 = time.perf_counter()
+        t0 = _clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            dt = time.perf_counter() - t0
+            dt = _clock() - t0
             child = stack.pop()
             if stack:
                 stack[-1] += dt
@@ -144,8 +147,11 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="time parts by wall clock or by the calling thread's CPU time")
     ap.add_argument("--out")
     args = ap.parse_args()
+    os.environ["LATENTSERVE_STEP_PROFILE_CLOCK"] = args.clock
 
     site = tempfile.mkdtemp(prefix="step-profile-site-")
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:

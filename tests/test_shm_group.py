@@ -42,6 +42,36 @@ def test_all_reduce_and_gather_give_every_rank_the_same_bits(world):
         assert gathered.tolist() == [[float(p) for p in range(world) for _ in range(3)]] * 2
 
 
+@pytest.mark.parametrize("own_core", [False, True])
+def test_in_slot_all_reduce_is_the_rank_order_fp32_sum(own_core):
+    """The in-place path (payload fits a slot): fp32 sums straight into t as ((x0 + x1) + x2), bf16
+    through an fp32 accumulator, the same bits as the piecewise path for a non-contiguous input,
+    and slot views reused across shapes and both slots stay right."""
+    world = 3
+    shapes = [(16, 8), (4, 8), (16, 8), (1, 8), (16, 8)]
+
+    def inputs(rank: int, i: int, dtype=torch.float32) -> torch.Tensor:
+        return torch.randn(*shapes[i], generator=torch.Generator().manual_seed(100 * rank + i)).to(dtype)
+
+    def fn(g):
+        out = [g.all_reduce(inputs(g.rank, i)) for i in range(len(shapes))]
+        out.append(g.all_reduce(inputs(g.rank, 0, torch.bfloat16)))
+        out.append(g.all_reduce(inputs(g.rank, 0).t()))  # not contiguous: the piecewise path
+        out.append(g.all_gather(inputs(g.rank, 1), dim=0))
+        return out
+
+    name = f"test{os.getpid()}-{time.monotonic_ns()}"
+    res = thread_ranks(world, lambda r, g, barrier: fn(g), lambda r, barrier: ShmGroup(
+        r, world, name, barrier, deadline_s=20.0, slot_bytes=4096, own_core=own_core))
+    for i in range(len(shapes)):
+        want = (inputs(0, i) + inputs(1, i)) + inputs(2, i)
+        assert all(torch.equal(res[r][i], want) for r in range(world))
+    want_bf16 = ((inputs(0, 0, torch.bfloat16).float() + inputs(1, 0, torch.bfloat16)) + inputs(2, 0, torch.bfloat16))
+    assert all(torch.equal(res[r][5], want_bf16.to(torch.bfloat16)) for r in range(world))
+    assert all(torch.equal(res[r][6], res[0][0].t()) for r in range(world))
+    assert all(torch.equal(res[r][7], torch.cat([inputs(p, 1) for p in range(world)])) for r in range(world))
+
+
 def test_step_plans_broadcast_in_binary_form():
     plan = StepPlan([SeqChunk(7, list(range(900)), 0, [3, 1, 2], True, 5),  # 7 KB message: two slots
                      SeqChunk(9, [42], 63, [8, 9, 10, 11], False, 0)])

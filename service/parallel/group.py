@@ -30,7 +30,8 @@ class TPGroup:
         if self.world_size > 1 and self.shm is None:
             from .shm_group import ShmGroup
 
-            self.shm = ShmGroup(self.rank, self.world_size, group_name, self.barrier, deadline_s=deadline_s)
+            self.shm = ShmGroup(self.rank, self.world_size, group_name, self.barrier, deadline_s=deadline_s,
+                                own_core=pinned_cores() > 0)
 
     def _on_shm(self, t: torch.Tensor) -> bool:
         return self.shm is not None and t.device.type == "cpu"
@@ -105,6 +106,14 @@ class TPGroup:
             dist.destroy_process_group()
 
 
+_pinned_cores = 0  # cores set_cpu_threads pinned this rank process to (0: not pinned)
+
+
+def pinned_cores() -> int:
+    """Cores this rank process was pinned to by `set_cpu_threads` (0: none, the OS places it)."""
+    return _pinned_cores
+
+
 def set_cpu_threads(world_size: int, rank: int | None = None) -> int:
     """Give each rank an equal share of the CPU so TP ranks do not oversubscribe it, and, when
     every rank can have cores of its own, pin rank `rank` to its share (as vLLM's CPU backend
@@ -132,5 +141,7 @@ def set_cpu_threads(world_size: int, rank: int | None = None) -> int:
                 os.sched_setaffinity(int(tid), mine)
             except (ProcessLookupError, PermissionError):  # a thread that just ended
                 pass
+        global _pinned_cores
+        _pinned_cores = len(mine)
     torch.set_num_threads(n)
     return n

@@ -37,8 +37,10 @@ _HEADER = 64  # ready, done, gen, gen_ack: int64 each, on their own cache line
 READY, DONE, GEN, GEN_ACK = 0, 1, 2, 3
 SLOT_BYTES = int(os.environ.get("LATENTSERVE_SHM_SLOT_BYTES", 4 << 20))
 # Busy-poll briefly (peers usually answer within microseconds), then sleep in short steps: ranks
-# may share few cores, and spinning would steal the CPU a peer needs to answer.
-_SPIN_S, _SLEEP_S, _IDLE_SLEEP_S = 30e-6, 20e-6, 500e-6
+# may share few cores, and spinning would steal the CPU a peer needs to answer. Ranks with cores
+# of their own (`set_cpu_threads` pinned them) poll longer, yielding the core between polls: a
+# 20 us sleep lasts ~55 us here, and a TP 2 step waits at 8 collectives for the slower rank.
+_SPIN_S, _OWN_CORE_SPIN_S, _SLEEP_S, _IDLE_SLEEP_S = 30e-6, 2e-3, 20e-6, 500e-6
 
 
 class CollectiveTimeout(RuntimeError):
@@ -57,10 +59,11 @@ class ShmGroup:
     """One per rank process. `barrier` is the process group's (used while setting up only)."""
 
     def __init__(self, rank: int, world_size: int, group_name: str, barrier, deadline_s: float = 60.0,
-                 slot_bytes: int = SLOT_BYTES):
+                 slot_bytes: int = SLOT_BYTES, own_core: bool = False):
         self.rank, self.world_size = rank, world_size
         self.slot_bytes = slot_bytes
         self.deadline_s = deadline_s
+        self.spin_s = _OWN_CORE_SPIN_S if own_core else _SPIN_S
         self._n = 0
         self._gen = 0  # resync generation this rank has completed
         self._lock = threading.Lock()
@@ -77,6 +80,9 @@ class ShmGroup:
         self._counters = [np.frombuffer(s.mm, dtype=np.int64, count=4) for s in segs]
         self._slots = [[np.frombuffer(s.mm, dtype=np.uint8, count=slot_bytes, offset=_HEADER + k * slot_bytes)
                         for k in range(2)] for s in segs]
+        # The same bytes as torch tensors, [slot][rank]: collectives read and write them in place.
+        self._tslots = [[torch.from_numpy(self._slots[p][k]) for p in range(world_size)] for k in range(2)]
+        self._views: dict[tuple, list[torch.Tensor]] = {}  # (slot, dtype, shape) -> every rank's view
         self._closed = False
 
     # ---- the protocol ------------------------------------------------------------------
@@ -88,9 +94,11 @@ class ShmGroup:
         start = time.perf_counter()
         while not all(v[counter] >= n for v in views):
             now = time.perf_counter()
-            if now - start > _SPIN_S:
+            if now - start > self.spin_s:
                 tight_sleep_slack()
                 time.sleep(_IDLE_SLEEP_S if deadline_s is None and now - start > 0.01 else _SLEEP_S)
+            elif self.spin_s > _SPIN_S:
+                os.sched_yield()
             if self.resync_requested():
                 raise GroupResync(f"TP rank {self.rank}: shared-memory {what} (op {n}) abandoned: a peer "
                                   f"asked the group to resynchronise (its step failed)")
@@ -127,9 +135,45 @@ class ShmGroup:
         return out
 
     # ---- collectives --------------------------------------------------------------------
+    def _in_place(self, t: torch.Tensor, what: str, read):
+        """One op whose payload fits a slot: t into this rank's slot, then `read(parts)` on every
+        rank's slot viewed as t (before this rank reports done, so no peer overwrites them)."""
+        n, s = self._begin(what)
+        key = (s, t.dtype, t.shape)
+        slots = self._views.get(key)
+        if slots is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            nbytes = t.numel() * t.element_size()
+            slots = self._views[key] = [v[:nbytes].view(t.dtype).view(t.shape) for v in self._tslots[s]]
+        slots[self.rank].copy_(t)
+        self._publish_ready(n)
+        self._wait(READY, range(self.world_size), n, what, self.deadline_s)
+        out = read(slots)
+        self._publish_done(n)
+        return out
+
+    def _fits(self, t: torch.Tensor) -> bool:
+        return t.is_contiguous() and t.numel() * t.element_size() <= self.slot_bytes
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum into t (CPU, contiguous), in rank order and fp32."""
-        with self._lock:
+        """Sum into t (CPU), in rank order and fp32: every rank gets the same bits."""
+        if self._fits(t):
+            def total(parts: list[torch.Tensor]) -> None:
+                if t.dtype == torch.float32:  # ((p0 + p1) + p2) ..., straight into t
+                    torch.add(parts[0], parts[1], out=t)
+                    for part in parts[2:]:
+                        t.add_(part)
+                    return
+                acc = parts[0].float()
+                for part in parts[1:]:
+                    acc += part
+                t.copy_(acc)
+
+            with self._lock:
+                self._in_place(t, "all_reduce", total)
+            return t
+        with self._lock:  # larger than a slot: in pieces
             parts = self._exchange(_bytes(t), "all_reduce")
         acc = torch.zeros(t.shape, dtype=torch.float32)
         for part in parts:
@@ -139,6 +183,9 @@ class ShmGroup:
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         t = t.contiguous()
+        if self._fits(t):
+            with self._lock:
+                return self._in_place(t, "all_gather", lambda parts: torch.cat(parts, dim=dim))
         with self._lock:
             parts = self._exchange(_bytes(t), "all_gather")
         return torch.cat([torch.from_numpy(p).view(t.dtype).view(t.shape) for p in parts], dim=dim)
@@ -217,7 +264,7 @@ class ShmGroup:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self._counters, self._slots = [], []
+        self._counters, self._slots, self._tslots, self._views = [], [], [], {}
         for seg in self._segments:
             seg.close()
         atexit.unregister(self.close)
