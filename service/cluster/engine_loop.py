@@ -33,6 +33,8 @@ class EngineLoop:
         self._outputs: list[RequestOutput] = []
         self._finished: dict[str, RequestOutput] = {}
         self._waiters: dict[str, threading.Event] = defaultdict(threading.Event)
+        # generate() waiters read final outputs only (see _publish).
+        engine.wants_progress = lambda request_id: request_id not in self._waiters
         self.last_error: str | None = None
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)

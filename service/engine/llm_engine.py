@@ -70,6 +70,10 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.num_steps = 0
         self.num_failed_steps = 0
+        # request id -> whether anyone reads its outputs before it finishes (a stream); None: all.
+        # The engine loop's blocking generate() waits for final outputs only, so per-step
+        # RequestOutputs of its requests (token lists copied every step) are not built.
+        self.wants_progress: Callable[[str], bool] | None = None
         if tokenizer is None:
             log.warning(NO_TOKENIZER_NOTE)
 
@@ -166,7 +170,8 @@ class LLMEngine:
             for req in touched.values():
                 if req.request_id in poisoned:
                     continue
-                outputs.append(self._output(req))
+                if req.finished or self.wants_progress is None or self.wants_progress(req.request_id):
+                    outputs.append(self._output(req))
                 if req.finished:
                     del self._requests[req.request_id]
             return outputs
