@@ -22,7 +22,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..engine.plan import SeqChunk
 from ..parallel import TPGroup
-from . import mla_decode
+from . import cpu_kernels, mla_decode
 from .layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -282,6 +282,11 @@ class MLAAttention(nn.Module):
             return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         if meta.decode_slots is None:
             raise ValueError("decode metadata without decode_slots needs the Triton decode kernel")
+        if meta.decode_context_lens is not None:  # CPU fp32: the C kernel reads the cache in place
+            o_latent = cpu_kernels.mla_decode(q_cat, kv_cache, meta.decode_slots, meta.decode_context_lens,
+                                              self.kv_lora_rank, self.scale)
+            if o_latent is not None:
+                return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         # Exactly the context's slots (padding repeats a written slot, so no stale or poisoned
         # value is read and nothing needs zeroing); the bias masks the padding.
         flat = kv_cache.view(-1, kv_cache.shape[-1])

@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
-from . import moe_kernels
+from . import cpu_kernels, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, frozen
 
@@ -105,7 +105,9 @@ class FusedExperts(nn.Module):
         if grouped_mm_fast(x):
             return self.grouped(x, weights, ids)
         if x.device.type == "cpu" and x.shape[0] <= 64:
-            out = self.padded(x, weights, ids)
+            out = cpu_kernels.moe_silu(x, self.w13, self.w2, weights, ids) if self.act_name == "silu" else None
+            if out is None:
+                out = self.padded(x, weights, ids)
             if out is not None:
                 return out
         return self.per_expert(x, weights, ids)
