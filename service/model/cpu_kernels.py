@@ -137,9 +137,19 @@ def _cache_dir() -> str:
     return os.path.join(base, "latentserve", "cpu_kernels")
 
 
+def _cpu_flags() -> str:
+    """This CPU's feature flags: -march=native code is only for CPUs that have them (a cache
+    directory shared between hosts must not hand one CPU's build to another)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256((_SOURCE + " ".join([cc, *_FLAGS])).encode()).hexdigest()[:16]
+    key = hashlib.sha256((_SOURCE + " ".join([cc, *_FLAGS]) + _cpu_flags()).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"kernels-{key}.so")
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
