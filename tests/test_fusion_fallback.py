@@ -102,7 +102,7 @@ def test_compiled_calls_route_module_calls_inside_the_block_only(monkeypatch):
 
 def test_compile_modes(monkeypatch):
     monkeypatch.delenv("LATENTSERVE_COMPILE", raising=False)
-    assert fusion.compile_enabled() and not fusion.layers_enabled()  # chains by default
+    assert fusion.compile_enabled() and fusion.layers_enabled()  # whole layers by default
     monkeypatch.setenv("LATENTSERVE_COMPILE", "layers")
     assert fusion.compile_enabled() and fusion.layers_enabled()
     monkeypatch.setenv("LATENTSERVE_COMPILE", "chains")
