@@ -53,6 +53,8 @@ import httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from throughput import allowed_cpus, git_commit, loadavg  # noqa: E402  (bench/: the script's folder)
+
 from service.net import free_port  # noqa: E402
 from service.server.launch import LocalServer  # noqa: E402
 
@@ -80,28 +82,6 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 def log(msg: str) -> None:
     print(f"[serve-vs-vllm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(open("/proc/loadavg").read().split()[:3])
-    except OSError:
-        return "?"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def allowed_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        return list(range(os.cpu_count() or 1))
 
 
 class VllmServer:
