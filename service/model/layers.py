@@ -70,13 +70,19 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * xf.to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for every dense projection of the model: the one place that picks a kernel
+    for a weight's format and the number of rows."""
+    return F.linear(x, weight)
+
+
 class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = frozen(out_features, in_features, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -87,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = frozen(out_features // tp.world_size, in_features, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -99,7 +105,7 @@ class RowParallelLinear(nn.Module):
         self.weight = frozen(out_features, in_features // tp.world_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         return self.tp.all_reduce(out) if reduce else out
 
 
