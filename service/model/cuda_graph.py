@@ -10,6 +10,11 @@ addresses (DESIGN §2), so graphs captured once stay valid across level-1 and le
 and weight reloads: nothing is ever recaptured. Activations live in a private graph memory
 pool of torch's allocator, which sleep does not touch.
 
+At TP > 1 the graphs hold the ranks' collectives: the device all-reduce/all-gather
+(tail/device_comm.py) and the fused tail, whose comm regions sleep never releases and whose
+flags are pool state restored at the same address. Their kernels record a timeout in an error
+word instead of raising; `run` reads those after each replay and raises as the eager call would.
+
 While capturing, each decoder layer runs as torch.compile'd code (fusion.CompiledForward, one
 compile for every layer of the same structure, batch size dynamic): a layer becomes a few
 Inductor kernels around the library GEMMs, the grouped GEMMs and the MLA decode custom op, and
@@ -81,8 +86,9 @@ def unsupported_reason(model, kv_caches: list[torch.Tensor]) -> str | None:
     w = model.model.norm.weight
     if not w.is_cuda:
         return "not on CUDA"
-    if model.tp.world_size != 1:
-        return "TP > 1: collectives inside graphs are not validated yet"
+    if model.tp.world_size != 1 and getattr(model.tp, "device_comm", None) is None:
+        return ("TP > 1 without the device collectives (ranks on several nodes, or "
+                "LATENTSERVE_CUDA_ALLREDUCE=0): torch.distributed cannot be captured")
     if model.config.kda_layers:
         return "KDA layers: their state rows are not in the captured inputs yet"
     has_moe = any(isinstance(layer.mlp, MoE) for layer in model.layers)
@@ -93,6 +99,15 @@ def unsupported_reason(model, kv_caches: list[torch.Tensor]) -> str | None:
     if not mla_decode.supported(probe, kv, model.config.kv_lora_rank):
         return "the Triton MLA decode kernel does not fit (Triton missing, or latent/rope widths not powers of 2)"
     return None
+
+
+def collective_checks(model) -> list:
+    """Host reads of the TP collectives' error words, run after each replay (a capture cannot
+    read them): the fused tail's, then the device all-reduce's; each raises as its eager call does."""
+    checks = {id(r.collective): r.collective.check for r in model.tail_runners()
+              if r.collective is not None and hasattr(r.collective, "check")}
+    comm = getattr(model.tp, "device_comm", None)
+    return list(checks.values()) + ([comm.check] if comm is not None else [])
 
 
 class DecodeGraphs:
@@ -122,6 +137,7 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.replays = 0
+        self._checks = collective_checks(model)
         if compile_layers is None:
             compile_layers = fusion.layers_enabled()
         self.compiled = fusion.CompiledForward("decoder_layer", dynamic=True) if compile_layers else None
@@ -191,7 +207,10 @@ class DecodeGraphs:
         self.graphs[b].replay()
         self.replays += 1
         # A copy: the graph's output buffer is overwritten by the next replay.
-        return self.logits[b][: len(chunks)].clone()
+        logits = self.logits[b][: len(chunks)].clone()
+        for check in self._checks:  # a collective's kernel that gave up recorded why in its err
+            check()
+        return logits
 
     def stats(self) -> dict:
         compiled = None
