@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weight-snapshot", choices=("off", "host"), default="off",
                    help="host: copy the parameters each group/refs weight update wrote to the controller's "
                         "memory, so POST /restart brings them back (path updates are reloaded from the path)")
+    s.add_argument("--distributed-executor-backend", default="ray", choices=["ray", "mp"],
+                   help="ray: a Ray actor per rank (the product); mp: a process per rank on this machine, no Ray "
+                        "(no Ray object-store weight updates)")
     s.set_defaults(func=cmd_serve)
 
     v = sub.add_parser("verify-sleep", help="the seed's sleep test plan with its negative control")

@@ -1,9 +1,11 @@
-"""`latentserve serve`: the FastAPI controller over the Ray ranks, under uvicorn."""
+"""`latentserve serve`: the FastAPI controller over the ranks (Ray actors, or with
+`--distributed-executor-backend mp` one process per rank), under uvicorn."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 
 from fastapi import FastAPI, Request
@@ -91,13 +93,13 @@ def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import ray
     import uvicorn
 
+    backend = getattr(args, "distributed_executor_backend", "ray")
     config = EngineConfig(**engine_kwargs(args)).resolve()
     controller = Controller(config, model_name=args.served_model_name or args.model,
                             enable_test_hooks=args.enable_test_hooks, deadline_s=args.rank_deadline_s,
-                            request_timeout_s=args.request_timeout_s, weight_snapshot=args.weight_snapshot)
+                            request_timeout_s=args.request_timeout_s, weight_snapshot=args.weight_snapshot, backend=backend)
     if not args.admin_key:
         log.warning("admin_api_off", reason="no --admin-key or LATENTSERVE_ADMIN_KEY: /sleep, /wake_up and "
                                             "the other admin routes answer 403")
@@ -111,6 +113,7 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
                     timeout_keep_alive=SERVER_KEEP_ALIVE_S)
     finally:
-        if ray.is_initialized():
+        ray = sys.modules.get("ray")  # imported only by the Ray backend
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
     return 0

@@ -17,8 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import ray
-
+from ..cluster.backends import make_executor
 from ..cluster.coordinator import Coordinator
 from ..cluster.worker_rpc import DIAGNOSTICS, TEST_HOOKS, RankRPC
 from ..engine_config import EngineConfig
@@ -61,8 +60,12 @@ class Route:
 class Controller:
     def __init__(self, config: EngineConfig, *, model_name: str, enable_test_hooks: bool = False,
                  deadline_s: float | None = None, request_timeout_s: float | None = None,
-                 weight_snapshot: str = "off"):
+                 weight_snapshot: str = "off", backend: str = "ray"):
         self.config = config
+        # ray: an actor per rank (the product); mp: a process per rank, no Ray (a GPU box without
+        # it): the same controller, without the Ray object-store weight transport (`refs`).
+        self.backend = backend
+        self.inbox, self.inbox_name = None, None
         self.model_name = model_name
         self.enable_test_hooks = enable_test_hooks
         self.deadline_s = deadline_s or float(os.environ.get("LATENTSERVE_RANK_DEADLINE_S", "120"))
@@ -84,20 +87,20 @@ class Controller:
     # ---- lifecycle -----------------------------------------------------------------
     def load(self) -> None:
         """Start the ranks (blocking, minutes for big models; progress goes to the log)."""
-        from ..cluster.ray_executor import RayExecutor
         from ..tokenizer import get_tokenizer
         from ..weights.transports import sources, start_inbox
 
         t0 = time.perf_counter()
         cfg = self.config
-        log.info("loading", model=cfg.model, tp=cfg.tensor_parallel_size, device=cfg.device,
+        log.info("loading", model=cfg.model, tp=cfg.tensor_parallel_size, device=cfg.device, backend=self.backend,
                  sleep_mode=cfg.enable_sleep_mode, fused_tail=cfg.fused_tail)
         # The controller's own copy only turns token ids into strings for logprobs.
         self.tokenizer = get_tokenizer(cfg.model, cfg.model_config)
-        self.coordinator = Coordinator(RayExecutor(cfg), sleep_enabled=cfg.enable_sleep_mode,
+        self.coordinator = Coordinator(make_executor(cfg, self.backend), sleep_enabled=cfg.enable_sleep_mode,
                                        deadline_s=self.deadline_s, on_change=self._state_changed,
                                        weight_snapshot=self.weight_snapshot)
-        self.inbox, self.inbox_name = start_inbox()
+        if self.backend == "ray":
+            self.inbox, self.inbox_name = start_inbox()
         self.coordinator.weight_sources.update(sources(cfg.model_config, self.inbox))
         self._state_changed(self.coordinator.state)
         self._watch_deaths()
@@ -362,22 +365,24 @@ class Controller:
             engine = executor.rank0_call("engine_stats", timeout=10.0)
         except Exception as e:
             engine = {"error": executor.error_text(e)}
-        return {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
-                "tp": n, "same_node": executor.same_node, "nodes": list(executor.nodes),
-                "ray": {"address": ray.get_runtime_context().gcs_address, "namespace": INBOX_NAMESPACE,
-                        "weight_inbox": self.inbox_name},
-                "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks}
+        out = {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
+               "tp": n, "same_node": executor.same_node, "nodes": list(executor.nodes), "backend": self.backend,
+               "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks}
+        if self.backend == "ray":
+            import ray
+
+            out["ray"] = {"address": ray.get_runtime_context().gcs_address, "namespace": INBOX_NAMESPACE,
+                          "weight_inbox": self.inbox_name}
+        return out
 
     def restart(self) -> dict:
         """Rebuild every rank through the coordinator (the served weights and their version come
         back); requests in flight fail with 503 and new ones wait for the fresh ranks."""
-        from ..cluster.ray_executor import RayExecutor
-
         self.restarting = True
         self._state_changed(self.coordinator.state)
         try:
             self._fail_all(503, "the ranks are restarting")
-            report = self.coordinator.restart(lambda: RayExecutor(self.config))
+            report = self.coordinator.restart(lambda: make_executor(self.config, self.backend))
             self._watch_deaths()
             self._missed = 0
             self.health = {"ok": True, "reason": None}

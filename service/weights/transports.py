@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import uuid
 
-import ray
-
 from ..lifecycle import CoordinationError
 from .sync import DEFAULT_BUCKET_BYTES, TensorMeta
 
@@ -43,13 +41,16 @@ class WeightInbox:
 
 
 def start_inbox() -> tuple[object, str]:
+    import ray  # only the Ray backend has an object store (the mp backend serves without Ray)
+
     name = f"latentserve-inbox-{uuid.uuid4().hex[:8]}"
     actor = ray.remote(num_cpus=0)(WeightInbox).options(name=name, namespace=INBOX_NAMESPACE).remote()
     return actor, name
 
 
 def sources(model_config, inbox) -> dict:
-    """Weight sources for `Coordinator.weight_sources`: (executor, spec, version, timeout) -> outcomes."""
+    """Weight sources for `Coordinator.weight_sources`: (executor, spec, version, timeout) -> outcomes.
+    Without an inbox (no Ray: the mp backend) there is no `refs` source."""
 
     def group(executor, spec, version: int, timeout: float) -> list[dict]:
         if not isinstance(spec, dict) or "port" not in spec or "tensors" not in spec:
@@ -71,6 +72,8 @@ def sources(model_config, inbox) -> dict:
     def refs(executor, spec, version: int, timeout: float) -> list[dict]:
         if not isinstance(spec, dict) or "token" not in spec:
             raise CoordinationError(422, 'refs needs {"token": ...} from WeightInbox.deposit')
+        import ray
+
         try:
             named_refs = ray.get(inbox.take.remote(spec["token"]), timeout=timeout)
         except Exception as e:
@@ -78,7 +81,7 @@ def sources(model_config, inbox) -> dict:
         n = executor.world_size
         return executor.call_ranks("update_weights_from_refs", [(named_refs, version)] * n, timeout)[0]
 
-    return {"group": group, "refs": refs}
+    return {"group": group, "refs": refs} if inbox is not None else {"group": group}
 
 
 def _group_options(spec: dict, timeout: float) -> tuple[str, int, int, str, float]:
