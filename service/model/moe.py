@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
-from . import cpu_kernels, moe_kernels
+from . import cpu_kernels, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, frozen
 
@@ -102,7 +102,12 @@ class FusedExperts(nn.Module):
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
                 return out
-        if grouped_mm_fast(x):
+        if moe_grouped.supported(x, self.w13, self.w2, self.act_name):  # more tokens: Triton grouped GEMM
+            out = moe_kernels.call(torch.ops.latentserve.moe_grouped_experts, x, self.w13, self.w2, weights, ids,
+                                   self.act_name, self.act_beta, self.act_linear_beta)
+            if out is not None:
+                return out
+        if grouped_mm_fast(x):  # LATENTSERVE_MOE_GROUPED=torch: the bench's baseline
             return self.grouped(x, weights, ids)
         if x.device.type == "cpu" and x.shape[0] <= 64:
             out = cpu_kernels.moe_silu(x, self.w13, self.w2, weights, ids) if self.act_name == "silu" else None
