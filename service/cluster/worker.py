@@ -116,7 +116,6 @@ class RankWorker(RankWeights, RankRPC):
         if self.tp.shm is not None:  # exchange memory outside the pool: kept by every sleep level
             self.pool.register_comm("tp_collectives", self.tp.shm.nbytes)
         self.collective = self._make_collective(group_name)
-        self.tp.device_comm = self._make_device_comm(group_name)
         mode = cfg.fused_tail
 
         def tail_factory(layer_idx: int) -> TailRunner:
@@ -157,23 +156,6 @@ class RankWorker(RankWeights, RankRPC):
             barrier=self.tp.barrier,
         )
 
-    def _make_device_comm(self, group_name: str):
-        """Capturable device all-reduce/all-gather (tail/device_comm.py) for CUDA decode steps of
-        ranks on one node, sized for the largest decode graph; None keeps torch.distributed."""
-        cfg = self.config
-        if self.device.type != "cuda" or self.world_size == 1 or not self.same_node:
-            return None
-        from ..tail import device_comm
-
-        if not device_comm.enabled():
-            return None
-        mcfg = cfg.model_config
-        rows = max([b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs], default=1)
-        widths = device_comm.channel_widths(cfg.torch_dtype, mcfg.hidden_size, mcfg.vocab_size, self.world_size)
-        return device_comm.DeviceCollectives.create(
-            self.rank, self.world_size, max_tokens=rows, widths=widths, state_alloc=self.pool.state,
-            group_name=group_name, deadline_s=cfg.tail_deadline_s, barrier=self.tp.barrier, device=self.device)
-
     def _load_initial_weights(self) -> None:
         from ..weights import checkpoint as weights
 
@@ -195,9 +177,7 @@ class RankWorker(RankWeights, RankRPC):
         scheduler state slot: conv history and recurrent state)."""
         cfg = self.config
         mcfg = cfg.model_config
-        # One block and one state row past what the engine hands out: the decode graphs' scratch,
-        # where padding rows run (cuda_graph.scratch_indices).
-        shape = (cfg.kv_blocks() + 1, cfg.block_size, mcfg.kv_cache_dim)
+        shape = (cfg.kv_blocks(), cfg.block_size, mcfg.kv_cache_dim)
         self.kv_caches = []
         for i in range(mcfg.num_hidden_layers):
             if not mcfg.is_kda_layer(i):
@@ -205,7 +185,7 @@ class RankWorker(RankWeights, RankRPC):
                 continue
             from ..model.kda import KDAState, kda_state_shapes
 
-            rows = {name: self.pool.allocate("kv_cache", f"kda_state.{i}.{name}", (cfg.max_num_seqs + 1, *row),
+            rows = {name: self.pool.allocate("kv_cache", f"kda_state.{i}.{name}", (cfg.max_num_seqs, *row),
                                              dtype or cfg.torch_dtype)
                     for name, (row, dtype) in kda_state_shapes(mcfg, self.world_size).items()}
             self.kv_caches.append(KDAState(**rows))
