@@ -182,7 +182,8 @@ def decode_llm(args, **kw) -> LLM:
     llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
                    cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
     build = (f"compile={os.environ.get('LATENTSERVE_COMPILE', 'layers')},"
-             f"moe_kernels={os.environ.get('LATENTSERVE_MOE_KERNELS', '1')}")
+             f"moe_kernels={os.environ.get('LATENTSERVE_MOE_KERNELS', '1')},"
+             f"moe_grouped={os.environ.get('LATENTSERVE_MOE_GROUPED', 'triton')}")
     RESULTS.setdefault("engine_up_s", {})[build] = time.perf_counter() - t0
     fill_caches(llm)
     return llm
@@ -271,8 +272,11 @@ def mode_graph_ms(args, env: dict[str, str]) -> dict:
 
 
 # The default build (layers compiled, Triton MoE kernels) is timed against these, same model.
+# torch_grouped: torch._grouped_mm above the GEMV limit instead of the Triton grouped GEMM
+# (service/model/moe_grouped.py); the same build as the default at batches <= 16.
 BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE_COMPILE": "chains"},
-             "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"}}
+             "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"},
+             "torch_grouped": {"LATENTSERVE_MOE_GROUPED": "torch"}}
 
 
 def bench_decode(args, bw: float) -> LLM:
@@ -493,6 +497,11 @@ def print_table(args, bw: float) -> None:
               f"{r.get('torch_moe_graph_ms', nan):13.3f} {r.get('torch_moe_graph_ms', nan) / g:13.2f} "
               f"{r.get('kernels_per_layer', nan):8.1f} {r.get('chains_kernels_per_layer', nan):11.1f} "
               f"{r.get('uncompiled_kernels_per_layer', nan):9.1f} {r.get('torch_moe_kernels_per_layer', nan):14.1f}")
+    for name in [n for n in RESULTS.get("baselines", {}) if n not in ("uncompiled", "chains", "torch_moe")]:
+        cells = [f"batch {r['batch']} {r.get(name + '_graph_ms', nan):.3f} ms = "
+                 f"{r.get(name + '_graph_ms', nan) / r.get('graph_ms', nan):.2f}x the default's, "
+                 f"{r.get(name + '_kernels_per_layer', nan):.1f} k/layer" for r in RESULTS.get("decode", [])]
+        print(f"baseline {name} {BASELINES[name]}: " + "; ".join(cells))
     v = RESULTS.get("vs_transformers")
     if v:
         print(f"batch {args.hf_batch} decode tok/s: ours {v['ours']['decode_tokens_per_s']:.0f}, transformers "
