@@ -276,11 +276,11 @@ def mode_graph_ms(args, env: dict[str, str]) -> dict:
 # (service/model/moe_grouped.py); the same build as the default at batches <= 16.
 BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE_COMPILE": "chains"},
              "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"},
-             "torch_grouped": {"LATENTSERVE_MOE_GROUPED": "torch"}}
+             "torch_grouped": {"LATENTSERVE_MOE_GROUPED": "torch"}, "cublas_gemv": {"LATENTSERVE_GEMV_MAX_ROWS": "0"}}
 
 
 def bench_decode(args, bw: float) -> LLM:
-    baselines = {name: mode_graph_ms(args, env) for name, env in BASELINES.items()}
+    baselines = {name: mode_graph_ms(args, env) for name, env in BASELINES.items() if name in args.baselines}
     RESULTS["baselines"] = baselines
     import torch._dynamo.utils as dynamo_utils
 
@@ -547,6 +547,8 @@ def main() -> None:
                     help="graph replays profiled (kernels per layer), in every compile mode")
     ap.add_argument("--eager-profile-batches", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="eager steps profiled (the compiled layers are not used there)")
+    ap.add_argument("--baselines", default=",".join(BASELINES), type=lambda s: [x for x in s.split(",") if x],
+                    help="in-run baselines of the decode section (names in BASELINES)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kv-gib", type=int, default=8, help="KV cache; batch 256 at context 1024 needs 7.4 GB")
     ap.add_argument("--iters", type=int, default=50)

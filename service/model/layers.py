@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
+from . import fp8, gemv
 from .fusion import fused
 
 
@@ -70,19 +71,31 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * xf.to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T for every dense projection of the model: the one place that picks a kernel
-    for a weight's format and the number of rows."""
+    for a weight's format and the number of rows. `scale`: an FP8 weight's block scales."""
+    if scale is not None:  # FP8 block-scaled (model/fp8.py)
+        return fp8.linear_fp8(x, weight, scale)
+    if gemv.supported(x, weight):  # decode-sized M on a GPU: bandwidth-shaped, not cuBLAS tiles
+        out = gemv.run(x, weight)
+        if out is not None:
+            return out
     return F.linear(x, weight)
+
+
+def _no_scale(module: nn.Module) -> None:
+    """An FP8 model registers the weight's block scales here (model/fp8.quantize_parameters)."""
+    module.register_parameter("weight_scale_inv", None)
 
 
 class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = frozen(out_features, in_features, dtype=dtype)
+        _no_scale(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.weight_scale_inv)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -91,9 +104,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.weight = frozen(out_features // tp.world_size, in_features, dtype=dtype)
+        _no_scale(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.weight_scale_inv)
 
 
 class RowParallelLinear(nn.Module):
@@ -103,9 +117,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = frozen(out_features, in_features // tp.world_size, dtype=dtype)
+        _no_scale(self)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        out = linear(x, self.weight)
+        out = linear(x, self.weight, self.weight_scale_inv)
         return self.tp.all_reduce(out) if reduce else out
 
 
@@ -147,7 +162,7 @@ class ParallelLMHead(nn.Module):
         return self._tied[0].weight if self._tied is not None else self.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.shard_weight()).float()
+        logits = linear(hidden, self.shard_weight()).float()
         return self.tp.all_gather(logits, dim=-1)
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from ..model.fusion import fused
+from ..model.layers import linear
 from ..parallel import TPGroup
 
 
@@ -50,8 +51,15 @@ def unfused_tail(tp: TPGroup, routed_partial: torch.Tensor, shared_partial: torc
                  norm_weight: torch.Tensor | None, up_weight: torch.Tensor, eps: float) -> torch.Tensor:
     routed = tp.all_reduce(routed_partial.contiguous())
     latent = latent_norm(routed, norm_weight, eps)
-    out = latent @ up_weight.t()
+    out = linear(latent, up_weight)
     return out + tp.all_reduce(shared_partial.contiguous())
+
+
+@torch.compiler.disable
+def _opaque_fused_tail(collective, routed_partial, shared_partial, norm_weight, up_weight, eps):
+    """A compiled decoder layer calls the fused tail through here: a graph break, so its kernel
+    launches run as eager code between the layer's compiled parts (and into a CUDA graph)."""
+    return collective.fused_tail(routed_partial, shared_partial, norm_weight, up_weight, eps)
 
 
 class TailRunner:
@@ -86,6 +94,9 @@ class TailRunner:
         if self.fused and m <= self.collective.max_tokens:
             if count:
                 self.fused_calls += 1
+            else:  # traced by a compiled layer: the collective's host code stays out of the graph
+                return _opaque_fused_tail(self.collective, routed_partial, shared_partial, norm_weight,
+                                          up_weight, eps)
             return self.collective.fused_tail(routed_partial, shared_partial, norm_weight, up_weight, eps)
         if count:
             self.unfused_calls += 1

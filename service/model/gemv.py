@@ -1,0 +1,139 @@
+"""Bandwidth-shaped GEMM for the few rows of a decode step: y[M, N] = x[M, K] @ W[N, K]^T.
+
+At M <= 16 a projection is a read of W and nothing else, so its speed is how many bytes of W
+are in flight. cuBLAS picks tensor-core tiles for these shapes (nvjet 64x8, 16x64, ...) that
+leave most of the H200's bandwidth unused: the profile in bench/RESULTS.md shows the dense
+projections at ~0.9 TB/s, 40% of a batch-1 step. Here each program owns a few output rows
+(BLOCK_N, chosen so the grid covers every SM twice) and streams them over K with fp32
+accumulation; the M rows of x are re-read from L1/L2, never from HBM twice. No split-K, so
+no atomics and no second kernel: results are deterministic, and equal between a CUDA graph
+replay and an eager call.
+
+A `torch.library` custom op, so compiled decoder layers keep it opaque and graphs capture it.
+`supported` decides; `layers.linear` calls it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+from ..log import get_logger
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+log = get_logger("gemv")
+_verified = False
+_failure: str | None = None  # why the kernel is off for good in this process
+
+
+def max_rows() -> int:
+    """Up to this many rows the GEMV runs (LATENTSERVE_GEMV_MAX_ROWS; 0 turns it off: the
+    bench's cuBLAS baseline)."""
+    return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "8"))
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if triton is None or _failure is not None or not (x.is_cuda or INTERPRET) or weight.dim() != 2:
+        return False
+    rows = x.numel() // max(1, x.shape[-1])
+    return (0 < rows <= max_rows() and x.dtype == weight.dtype and x.dtype in _DTYPES
+            and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1])
+
+
+def run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The GEMV, or None when its first call in this process fails (a Triton build or launch
+    error on this GPU): it is then off for good (logged) and callers use cuBLAS."""
+    global _verified, _failure
+    if _verified or torch.compiler.is_compiling():
+        return torch.ops.latentserve.gemv(x, weight)
+    try:
+        out = torch.ops.latentserve.gemv(x, weight)
+    except Exception as e:  # noqa: BLE001 - any build/launch failure of the first call
+        _failure = f"{type(e).__name__}: {e}"[:500]
+        log.error("gemv_off", error=_failure)
+        return None
+    _verified = True
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: an H200's count, so the shapes match the GPU's
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+def block_n(n: int, sms: int = 132) -> int:
+    """Rows per program: the largest power of 2 (4..64) that still gives >= 2 programs per SM."""
+    b = 64
+    while b > 4 and triton.cdiv(n, b) < 2 * sms:
+        b //= 2
+    return b
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        nmask = n < N
+        mmask = m < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)
+            acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)
+        tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+    def config(m: int, n: int, k: int, sms: int) -> dict:
+        """Launch shape for [m, k] x [n, k]^T; bench/gemv.py sweeps the alternatives."""
+        bm = triton.next_power_of_2(m)
+        bn = block_n(n, sms)
+        # A [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it near 8K elements.
+        bk = max(64, min(512, 8192 // (bm * bn), triton.next_power_of_2(k)))
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}
+
+    def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict) -> None:
+        m, k = x2.shape
+        n = weight.shape[0]
+        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=triton.next_power_of_2(m), **cfg)
+
+    def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m, n = x2.shape[0], weight.shape[0]
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        launch(x2, weight, y, config(m, n, k, sm_count(x.device)))
+        return y.view(*x.shape[:-1], n)
+
+    @torch.library.custom_op("latentserve::gemv", mutates_args=())
+    def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype (fp32 accumulation)."""
+        return _gemv(x, weight)
+
+    @gemv.register_fake
+    def _(x, weight):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,61 @@
+"""The small-M GEMV (service/model/gemv.py) against a float64 reference and cuBLAS: shapes of
+the decode step's projections (K and N not powers of 2 included), M from 1 to the row limit,
+bf16 and fp32; deterministic; and `layers.linear` routing to it only where it applies.
+
+Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels interpreted).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from service.model import gemv, layers  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
+DEVICE = "cpu" if INTERPRET else "cuda"
+SHAPES = [(1344, 2048), (100, 96), (1024, 768)] if INTERPRET else [
+    (1344, 2048), (3072, 768), (2048, 2048), (1024, 2048), (2048, 1024), (1536, 2048), (100, 96), (32768, 2048)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_matches_reference(n, k, m, dtype):
+    g = torch.Generator().manual_seed(n * 7 + k + m)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    assert gemv.supported(x, w)
+    y = torch.ops.latentserve.gemv(x, w)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = (x.double() @ w.double().t())
+    # fp32 accumulation over K, then one rounding to the output dtype.
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), ref, atol=tol * 4, rtol=tol)
+    assert torch.equal(y, torch.ops.latentserve.gemv(x, w))  # deterministic
+
+
+def test_leading_dims_and_strided_rows():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 200, generator=g).to(DEVICE)[..., :96]  # rows strided, last dim contiguous
+    w = torch.randn(40, 96, generator=g).to(DEVICE)
+    y = torch.ops.latentserve.gemv(x, w)
+    torch.testing.assert_close(y, x @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_routes_by_rows(monkeypatch):
+    w = torch.randn(64, 32).to(DEVICE)
+    assert gemv.supported(torch.randn(gemv.max_rows(), 32).to(DEVICE), w)
+    assert not gemv.supported(torch.randn(gemv.max_rows() + 1, 32).to(DEVICE), w)
+    assert not gemv.supported(torch.randn(2, 32).to(DEVICE, torch.bfloat16), w)  # dtype mismatch
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "0")
+    assert not gemv.supported(torch.randn(1, 32).to(DEVICE), w)
+    x = torch.randn(33, 32).to(DEVICE)  # above the limit: cuBLAS / torch
+    torch.testing.assert_close(layers.linear(x, w), x @ w.t())
