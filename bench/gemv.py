@@ -70,10 +70,10 @@ def weights(n: int, k: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda").to(dtype) / k ** 0.5 for _ in range(copies)]
 
 
-def bench_gemv(rows: list[int], sweep: bool, bw: float) -> list[dict]:
+def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> list[dict]:
     out = []
     sms = gemv.sm_count(torch.device("cuda"))
-    for (name, n, k), m in itertools.product(SHAPES, rows):
+    for (name, n, k), m in itertools.product([s for s in SHAPES if not shapes or s[0] in shapes], rows):
         ws = weights(n, k)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -85,8 +85,7 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float) -> list[dict]:
                "ours_vs_cublas": t_cublas / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw, "config": cfg}
         if sweep:
             best = (t_ours, cfg)
-            for bn, bk, warps, stages in itertools.product((4, 8, 16, 32, 64), (64, 128, 256, 512, 1024),
-                                                           (2, 4, 8), (2, 3, 4)):
+            for bn, bk, warps, stages in itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (3, 4)):
                 c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
                 if triton_cdiv(n, bn) < sms // 2 or triton_pow2(m) * bn * bk > 32768:
                     continue
@@ -144,7 +143,7 @@ def sweep_experts(x, w13s, w2s, wts, ids) -> dict:
     h = torch.randn(pairs, shard, device="cuda").to(torch.bfloat16)
     part = torch.empty(pairs, width, device="cuda")
     found = {}
-    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32, 64), (64, 128, 256, 512), (2, 4, 8), (2, 3, 4)):
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)):
         cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
         def gate_up(a, c=cfg):
@@ -186,13 +185,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--shapes", nargs="*", default=[], help="names from SHAPES (default all)")
+    ap.add_argument("--skip-experts", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemv.py needs a CUDA GPU")
     bw = copy_bandwidth()
     print(json.dumps({"copy_bandwidth_TBps": bw / 1e12, "device": torch.cuda.get_device_name()}), flush=True)
-    rows = bench_gemv(args.rows, args.sweep, bw) + bench_experts(args.rows, args.sweep, bw)
+    rows = bench_gemv(args.rows, args.sweep, bw, args.shapes)
+    if not args.skip_experts:
+        rows += bench_experts(args.rows, args.sweep, bw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
