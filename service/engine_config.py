@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConfigError, ModelConfig, resolve_model
+from .weights import fp8
+from .weights.specs import check_fp8_layout
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -21,6 +23,9 @@ class EngineConfig:
     seed: int = 0
     hf_overrides: dict[str, Any] | None = None
     device: str = "cpu"
+    # "fp8": quantize a bf16 checkpoint (or the dummy model) to FP8 128x128 block-scaled weights
+    # at load, as vLLM's --quantization fp8; an FP8 checkpoint (quantization_config) needs nothing.
+    quantization: str | None = None
     # Without a checkpoint: "seeded" draws every weight on the CPU from per-name seeds (the same
     # model at any TP size; about a minute for 8 GB); "device" draws them on the rank's device
     # (seconds; benchmarks only: the model differs between TP sizes and runs).
@@ -55,7 +60,9 @@ class EngineConfig:
 
     def resolve(self) -> EngineConfig:
         cfg, ckpt = resolve_model(self.model, self.hf_overrides)
+        cfg = fp8.with_quantization(cfg, self.quantization)
         cfg.validate(self.tensor_parallel_size)
+        check_fp8_layout(cfg, self.tensor_parallel_size)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.fused_tail not in ("auto", "on", "off"):
@@ -108,6 +115,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-overrides", type=json.loads, default=None, help='JSON, e.g. \'{"num_hidden_layers": 4}\'')
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize bf16 weights to FP8 128x128 block-scaled at load (FP8 checkpoints need no flag)")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (e.g. auto); default: local")
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--sleep-preserve-parameter-names", nargs="*", default=[], metavar="GLOB")
@@ -127,7 +136,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's keyword arguments from the options `add_engine_args` added."""
     return dict(
         model=args.model, tensor_parallel_size=args.tp, dtype=args.dtype, seed=args.seed,
-        hf_overrides=args.hf_overrides, enable_sleep_mode=args.enable_sleep_mode,
+        hf_overrides=args.hf_overrides, quantization=args.quantization, enable_sleep_mode=args.enable_sleep_mode,
         sleep_preserve_parameter_names=args.sleep_preserve_parameter_names, fused_tail=args.fused_tail,
         device=args.device, ray_address=args.ray_address, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, tail_deadline_s=args.tail_deadline_s,

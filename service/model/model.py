@@ -16,6 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
+from . import fp8
 from .attention import AttnMetadata, MLAAttention
 from .attn_res import attn_res_mix
 from .layers import (
@@ -143,6 +144,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, tp, dtype, tail_factory)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, tied_to=tied)
+        fp8.quantize_parameters(self, cfg, tp.world_size)  # FP8 block-scaled checkpoints only
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
-from . import cpu_kernels, moe_grouped, moe_kernels
+from . import cpu_kernels, fp8_moe, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, frozen
 
@@ -94,9 +94,14 @@ class FusedExperts(nn.Module):
         self.shard = shard
         self.w13 = frozen(num_experts, 2 * shard, width, dtype=dtype)
         self.w2 = frozen(num_experts, width, shard, dtype=dtype)
+        # An FP8 model registers the experts' block scales here (model/fp8.quantize_parameters).
+        self.register_parameter("w13_scale_inv", None)
+        self.register_parameter("w2_scale_inv", None)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [M, W]; weights/ids [M, k]. Returns this rank's partial sum over experts [M, W]."""
+        if self.w13_scale_inv is not None:  # FP8 block-scaled experts (model/fp8_moe.py)
+            return fp8_moe.experts(self, x, weights, ids)
         if moe_kernels.experts_supported(x, self.act_name):  # few tokens: GEMV kernels
             out = moe_kernels.call(torch.ops.latentserve.moe_experts, x, self.w13, self.w2, weights, ids,
                                    self.act_name, self.act_beta, self.act_linear_beta)

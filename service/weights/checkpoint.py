@@ -20,12 +20,24 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..parallel import TPGroup
+from .fp8 import (
+    FP8,
+    SCALE_SUFFIX,
+    dequantize,
+    fake_quantize,
+    fp8_block,
+    is_fp8_dtype,
+    is_fp8_weight,
+    quantize,
+    scale_spec,
+)
 from .specs import (
     FP32_SUFFIXES,
     CheckpointError,
     WeightSpec,
     _problems,
     canonical_name,
+    fp8_pairs,
     weight_specs,
 )
 
@@ -41,8 +53,15 @@ def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _assign(params: dict[str, torch.Tensor], spec: WeightSpec, source, tp: TPGroup) -> None:
-    """Copy this rank's slice of `source` (a full tensor or a safetensors slice) into the model."""
+def _assign(params: dict[str, torch.Tensor], spec: WeightSpec, source, tp: TPGroup,
+            block: tuple[int, int] | None = None, scale=None) -> None:
+    """Copy this rank's slice of `source` (a full tensor or a safetensors slice) into the model.
+    In an FP8 model (`block`) an FP8 weight comes with its `scale` (checkpoint or trainer) or is
+    quantized here from a float tensor (a bf16 checkpoint under `--quantization fp8`, a trainer's
+    bf16 update), over the full tensor's blocks, so every TP size holds the same values."""
+    if block is not None and is_fp8_weight(spec):
+        _assign_fp8(params, spec, source, tp, block, scale)
+        return
     target = spec.target(params[spec.param].data)
     if tuple(_shape(source)) != spec.shape:  # e.g. A_log stored [1, 1, H, 1] (see _same_shape)
         source = source[:].reshape(spec.shape)
@@ -51,6 +70,30 @@ def _assign(params: dict[str, torch.Tensor], spec: WeightSpec, source, tp: TPGro
         raise CheckpointError(spec.hf_name, mismatched=[f"{spec.hf_name}: slice {list(piece.shape)} "
                                                         f"vs parameter {list(target.shape)}"])
     target.copy_(piece)
+
+
+def _assign_fp8(params, spec: WeightSpec, source, tp: TPGroup, block: tuple[int, int], scale) -> None:
+    sspec = scale_spec(spec, block)
+    held = params[spec.param].dtype == FP8
+    if scale is not None and not is_fp8_dtype(_dtype(source)):
+        raise CheckpointError(spec.hf_name, other=[f"{sspec.hf_name} given for a weight that is not FP8"])
+    if held and scale is not None:  # FP8 in, FP8 held: each rank reads only its blocks
+        _assign(params, spec, source, tp)
+        _assign(params, sspec, scale, tp)
+        return
+    full = source[:].reshape(spec.shape)
+    if held:
+        q, s = quantize(full, block)
+        _assign(params, spec, q, tp)
+        _assign(params, sspec, s, tp)
+        return
+    dtype = params[spec.param].dtype  # held dequantized (HELD_DEQUANTIZED)
+    w = dequantize(full, scale[:], block, dtype) if scale is not None else fake_quantize(full.to(dtype), block)
+    _assign(params, spec, w, tp)
+
+
+def _dtype(source):
+    return source.get_dtype() if hasattr(source, "get_dtype") else source.dtype
 
 
 def _shape(source) -> tuple[int, ...]:
@@ -82,8 +125,9 @@ def checkpoint_tensors(cfg: ModelConfig, seed: int = 0) -> Iterator[tuple[str, t
 
 def init_dummy_weights(model: torch.nn.Module, cfg: ModelConfig, tp: TPGroup, seed: int = 0) -> None:
     params = _targets(model)
+    block = fp8_block(cfg)
     for spec in weight_specs(cfg):
-        _assign(params, spec, _dummy_tensor(spec, cfg, seed), tp)
+        _assign(params, spec, _dummy_tensor(spec, cfg, seed), tp, block)
 
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, tp: TPGroup,
@@ -96,11 +140,13 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tp: TPGroup,
         raise err
     specs = {s.hf_name: s for s in weight_specs(cfg)}
     params = _targets(model)
+    block = fp8_block(cfg)
+    scales = {canonical_name(cfg, n): t for n, t in items if n.endswith(SCALE_SUFFIX)} if block else {}
     loaded = 0
     for name, tensor in items:
         spec = specs.get(canonical_name(cfg, name))
         if spec is not None:
-            _assign(params, spec, tensor, tp)
+            _assign(params, spec, tensor, tp, block, scales.get(spec.hf_name + SCALE_SUFFIX))
             loaded += 1
     return loaded
 
@@ -145,14 +191,26 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, tp: TPGroup, direc
     for name, path in files.items():
         if canonical_name(cfg, name) in specs:
             by_file.setdefault(path, []).append(name)
+    block = fp8_block(cfg)
+    scale_files = {canonical_name(cfg, n): (n, p) for n, p in files.items() if n.endswith(SCALE_SUFFIX)}
     bar = tqdm(total=len(specs), desc="loading weights", unit="tensor", file=sys.stderr, disable=not progress)
     for path, names in sorted(by_file.items()):
         with safe_open(path, "pt") as f:
             for name in names:
-                _assign(params, specs[canonical_name(cfg, name)], f.get_slice(name), tp)
+                spec = specs[canonical_name(cfg, name)]
+                scale = _read_scale(scale_files.get(spec.hf_name + SCALE_SUFFIX)) if block else None
+                _assign(params, spec, f.get_slice(name), tp, block, scale)
                 bar.update()
     bar.close()
     return len(specs)
+
+
+def _read_scale(where: tuple[str, str] | None) -> torch.Tensor | None:
+    """An FP8 weight's block scales (small: 1/16384 of its elements), whole."""
+    if where is None:
+        return None
+    with safe_open(where[1], "pt") as f:
+        return f.get_tensor(where[0])
 
 
 def save_checkpoint(cfg: ModelConfig, directory: str, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -214,6 +272,12 @@ def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for spec in weight_specs(model.config):
         out[spec.hf_name] = spec.target(params[spec.param]).detach().clone()
+    block = fp8_block(model.config)
+    for spec, sspec in fp8_pairs(model.config):  # FP8 models export the FP8 checkpoint format
+        if sspec.param in params:
+            out[sspec.hf_name] = sspec.target(params[sspec.param]).detach().clone()
+        else:  # held dequantized: quantizing its (already FP8-exact) values again is lossless
+            out[spec.hf_name], out[sspec.hf_name] = quantize(out[spec.hf_name], block)
     return out
 
 

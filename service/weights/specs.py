@@ -15,8 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
+from .fp8 import (
+    SCALE_SUFFIX,
+    fp8_block,
+    held_fp8,
+    is_fp8_dtype,
+    is_fp8_weight,
+    is_scale_dtype,
+    layout_problems,
+    scale_spec,
+)
 
 # Stored as float32 whatever the checkpoint dtype, as transformers and vLLM keep it.
 FP32_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log")
@@ -175,6 +185,29 @@ def _kda_specs(cfg: ModelConfig, a: str, add) -> None:
     add(f"{a}.o_proj.weight", (h, proj), 1)
 
 
+def fp8_pairs(cfg: ModelConfig) -> list[tuple[WeightSpec, WeightSpec]]:
+    """(weight, its `_scale_inv`) of every FP8 weight of an FP8 model; [] for a plain one."""
+    block = fp8_block(cfg)
+    if block is None:
+        return []
+    return [(s, scale_spec(s, block)) for s in weight_specs(cfg) if is_fp8_weight(s)]
+
+
+def check_fp8_layout(cfg: ModelConfig, world_size: int) -> None:
+    """ConfigError unless every FP8 parameter's blocks survive TP sharding and stacking."""
+    block = fp8_block(cfg)
+    if block is None:
+        return
+    problems = []
+    for s, _ in fp8_pairs(cfg):
+        if held_fp8(s.param):
+            rows = s.shape[0] // (world_size if s.shard_dim == 0 else 1) * (s.part[1] if s.part else 1)
+            problems += layout_problems(s, block, world_size, rows)
+    if problems:
+        raise ConfigError(f"FP8 weights with weight_block_size {list(block)} cannot be sharded at TP {world_size}: "
+                          + "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else ""))
+
+
 def expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {s.hf_name: s.shape for s in weight_specs(cfg)}
 
@@ -219,9 +252,28 @@ def _dtype_ok(dtype) -> bool:
 def _problems(cfg: ModelConfig, shapes: Mapping[str, tuple], where: str, complete: bool) -> CheckpointError | None:
     """`shapes`: {name: (shape, dtype)}. None when everything fits."""
     expected = expected_weights(cfg)
+    pairs = fp8_pairs(cfg)
+    scales = {sc.hf_name: (w.hf_name, sc.shape) for w, sc in pairs}
+    fp8_names = {w.hf_name for w, _ in pairs}
+    given = {canonical_name(cfg, n): v for n, v in shapes.items()}
     unexpected, mismatched, other = [], [], []
     for name, (shape, dtype) in shapes.items():
         name = canonical_name(cfg, name)
+        if name in scales:  # an FP8 weight's block scales: only next to an FP8 weight
+            base, want = scales[name]
+            if tuple(shape) != want:
+                mismatched.append(f"{name}: {list(shape)} vs expected {list(want)}")
+            if not is_scale_dtype(dtype):
+                other.append(f"{name}: unsupported scale dtype {dtype}")
+            if base not in given or not is_fp8_dtype(given[base][1]):
+                other.append(f"{name}: a scale without its FP8 weight {base}")
+            continue
+        if name in fp8_names and is_fp8_dtype(dtype):
+            if name + SCALE_SUFFIX not in given:
+                other.append(f"{name}: an FP8 weight without its {name + SCALE_SUFFIX}")
+            if not _same_shape(shape, expected[name]):
+                mismatched.append(f"{name}: {list(shape)} vs expected {list(expected[name])}")
+            continue
         if name not in expected:
             if not _ignorable(cfg, name):
                 unexpected.append(name)
@@ -230,7 +282,6 @@ def _problems(cfg: ModelConfig, shapes: Mapping[str, tuple], where: str, complet
             mismatched.append(f"{name}: {list(shape)} vs expected {list(expected[name])}")
         if not _dtype_ok(dtype):
             other.append(f"{name}: unsupported dtype {dtype}")
-    given = {canonical_name(cfg, n) for n in shapes}
     missing = [n for n in expected if n not in given] if complete else []
     if missing or unexpected or mismatched or other:
         return CheckpointError(where, missing, unexpected, mismatched, other)

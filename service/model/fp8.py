@@ -1,0 +1,132 @@
+"""FP8 block-scaled projections (service/weights/fp8.py has the format): the model's FP8
+parameters, and `x @ dequant(W, scale_inv)^T` for layers.linear.
+
+- `quantize_parameters`: after the model is built (on meta or a device), every FP8 weight of
+  the weight table becomes a `float8_e4m3fn` parameter with a `<name>_scale_inv` fp32 parameter
+  next to it, so the memory pool holds both as weights (level-2 sleep discards both, reload and
+  updates restore both). MLA's kv_b and the latent up-projection stay in the model dtype
+  (fp8.HELD_DEQUANTIZED says why).
+- `linear_fp8`: on CUDA a Triton kernel reading the FP8 weight (half the bytes of bf16: what a
+  memory-bound decode step pays for) and dequantizing it in registers per 128x128 block, bf16
+  tensor-core dots against the activation (W8A16; no activation quantization error). Elsewhere
+  (CPU, shapes the kernel does not take) the torch reference: dequantize, then F.linear.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..weights import fp8 as fmt
+from ..weights.specs import check_fp8_layout, weight_specs
+from . import moe_kernels
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+FP8 = fmt.FP8
+# The interpreter has no FP8 type: LATENTSERVE_FP8_INTERPRET_BF16=1 lets the kernels run there on
+# weights stored in bf16 (same block-scale arithmetic), which is how the tests check their logic.
+_INTERPRET_BF16 = os.environ.get("LATENTSERVE_FP8_INTERPRET_BF16", "0") == "1"
+
+
+def quantize_parameters(model: nn.Module, cfg: ModelConfig, world_size: int) -> None:
+    """Make the model's FP8 weights FP8 parameters with their scales (no-op for a plain model).
+    ConfigError when TP shards or stacked tensors would cut a block."""
+    block = fmt.fp8_block(cfg)
+    if block is None:
+        return
+    check_fp8_layout(cfg, world_size)
+    names = {s.param for s in weight_specs(cfg) if fmt.is_fp8_weight(s) and fmt.held_fp8(s.param)}
+    for name in sorted(names):
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        old = getattr(module, attr)
+        setattr(module, attr, nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False))
+        scale = torch.empty(fmt.scale_shape(tuple(old.shape), block), dtype=torch.float32, device=old.device)
+        module.register_parameter(attr + fmt.SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+
+
+def is_fp8(weight: torch.Tensor) -> bool:
+    return weight.dtype == FP8
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return fmt.dequantize(weight, scale, None, dtype)
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ dequant(weight [N, K] fp8, scale [ceil(N/bn), ceil(K/bk)])^T in x's dtype."""
+    if gemm_supported(x, weight):
+        out = moe_kernels.call(torch.ops.latentserve.fp8_linear, x.reshape(-1, x.shape[-1]), weight, scale)
+        if out is not None:
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, dequantize(weight, scale, x.dtype))
+
+
+def gemm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    on_device = triton is not None and moe_kernels.enabled() and (x.is_cuda or moe_kernels.INTERPRET)
+    return on_device and x.dtype in (torch.bfloat16, torch.float16) and (weight.dtype == FP8 or _INTERPRET_BF16)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+                      BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """out[m, n] = sum_k x[m, k] * w[n, k] * s[n // BN, k // BK]: each weight tile is read
+        once as FP8, scaled by its block's scale in fp32 and rounded to x's dtype for the dot."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask, nmask = m < M, n < N
+        dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wmask = nmask[:, None] & kmask[None, :]
+            wv = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=wmask, other=0.0).to(tl.float32)
+            sv = tl.load(s_ptr + (n // BN)[:, None] * stride_sn + (k // BK)[None, :], mask=wmask, other=0.0)
+            acc = tl.dot(xv, tl.trans((wv * sv).to(dtype)), acc)
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(dtype), mask=mmask[:, None] & nmask[None, :])
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    bn, bk = fmt.implied_block(tuple(weight.shape), tuple(scale.shape))
+    # Small M (decode): narrow N tiles so even one token spreads the weight over many SMs.
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 64 else 128
+    block_k = min(128, bk)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w8a16_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+                        out.stride(0), BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        num_warps=4, num_stages=3)
+    return out
+
+
+if triton is not None:
+
+    @torch.library.custom_op("latentserve::fp8_linear", mutates_args=())
+    def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ dequant(weight [N, K], scale)^T -> [M, N] in x's dtype."""
+        return _linear(x, weight, scale)
+
+    @fp8_linear.register_fake
+    def _(x, weight, scale):
+        return x.new_empty(x.shape[0], weight.shape[0])

@@ -1,0 +1,159 @@
+"""Routed experts with FP8 block-scaled weights (w13 [E, 2I, W] and w2 [E, W, I] fp8, their
+scales [E, 2I/bn, W/bk] and [E, W/bn, I/bk]).
+
+- Decode-sized M on a GPU: FP8 variants of moe_kernels' GEMV experts (gate/up with the gated
+  activation, the weighted down projection per (token, slot), the slot sum in slot order),
+  reading only the chosen experts' FP8 rows and their block scales.
+- More tokens: the layer's experts dequantized to the activation dtype, then the grouped GEMM
+  (static shapes: CUDA graphs keep it) or, on CPU, one matmul chain per active expert. Correct,
+  not fast: a grouped FP8 kernel is the next step for big-batch FP8 decode and prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import fp8, moe_kernels
+
+triton, tl = fp8.triton, (fp8.tl if fp8.triton is not None else None)
+
+
+def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """FusedExperts.forward for FP8 weights: this rank's partial sum over experts [M, W]."""
+    w13, w2, s13, s2 = module.w13, module.w2, module.w13_scale_inv, module.w2_scale_inv
+    if (moe_kernels.experts_supported(x, module.act_name) and x.dtype in (torch.bfloat16, torch.float16)
+            and fp8.triton is not None):
+        out = moe_kernels.call(torch.ops.latentserve.fp8_moe_experts, x, w13, s13, w2, s2, weights, ids,
+                               module.act_name, module.act_beta, module.act_linear_beta)
+        if out is not None:
+            return out
+    w13d, w2d = fp8.dequantize(w13, s13, x.dtype), fp8.dequantize(w2, s2, x.dtype)
+    act = lambda gu: module.act(gu[..., : module.shard], gu[..., module.shard:])  # noqa: E731
+    m, k = ids.shape
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    if _grouped_mm_fast(x):
+        counts = torch.zeros(w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
+        h = act(torch._grouped_mm(x.index_select(0, order // k), w13d.transpose(1, 2), offs=offs))
+        y = torch._grouped_mm(h, w2d.transpose(1, 2), offs=offs).float()
+        y = y * weights.flatten().index_select(0, order).unsqueeze(1)
+        return torch.empty_like(y).index_copy_(0, order, y).view(m, k, -1).sum(dim=1).to(x.dtype)
+    # Per (token, slot) pair in slot order: the sum is that of moe.FusedExperts' paths.
+    y = torch.zeros(m * k, w2.shape[1], dtype=torch.float32, device=x.device)
+    tokens = torch.arange(m * k, device=x.device) // k
+    for e in flat.unique().tolist():
+        rows = (flat == e).nonzero().flatten()
+        h = act(F.linear(x[tokens[rows]], w13d[e]))
+        y[rows] = F.linear(h, w2d[e]).float() * weights.flatten()[rows, None]
+    return y.view(m, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _grouped_mm_fast(x: torch.Tensor) -> bool:
+    """As moe.grouped_mm_fast (not imported: moe imports this module)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, width, shard, stride_x, stride_we, stride_wn,
+                            stride_se, stride_sn, stride_h, beta, linear_beta, BN: tl.constexpr, BK: tl.constexpr,
+                            TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        p = tl.program_id(0)  # (token, slot) pair
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < shard
+        t = p // TOP_K
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        w_rows = w13_ptr + expert * stride_we + n[:, None] * stride_wn
+        s_gate = s13_ptr + expert * stride_se + (n // BN)[:, None] * stride_sn
+        s_up = s13_ptr + expert * stride_se + ((n + shard) // BN)[:, None] * stride_sn
+        acc_g = tl.zeros([BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < width
+            xv = tl.load(x_ptr + t * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
+            m2 = nmask[:, None] & kmask[None, :]
+            kb = (k // BK)[None, :]
+            wg = tl.load(w_rows + k[None, :], mask=m2, other=0.0).to(tl.float32) * tl.load(s_gate + kb, mask=m2, other=0.0)
+            wu = (tl.load(w_rows + shard * stride_wn + k[None, :], mask=m2, other=0.0).to(tl.float32)
+                  * tl.load(s_up + kb, mask=m2, other=0.0))
+            acc_g += tl.sum(wg * xv[None, :], 1)
+            acc_u += tl.sum(wu * xv[None, :], 1)
+        dtype = h_ptr.dtype.element_ty
+        g = acc_g.to(dtype).to(tl.float32)
+        u = acc_u.to(dtype).to(tl.float32)
+        if ACT == 0:
+            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+        else:
+            h = beta * moe_kernels._tanh(g / beta) * tl.sigmoid(g)
+            if CLIP_UP:
+                u = linear_beta * moe_kernels._tanh(u / linear_beta)
+            h = h * u
+        tl.store(h_ptr + p * stride_h + n, h.to(dtype), mask=nmask)
+
+    @triton.jit
+    def _down_fp8_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, part_ptr, width, shard, stride_h, stride_we,
+                         stride_wn, stride_se, stride_sn, stride_p, BN: tl.constexpr, BK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < width
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, shard, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < shard
+            m2 = nmask[:, None] & kmask[None, :]
+            hv = tl.load(h_ptr + p * stride_h + k, mask=kmask, other=0.0).to(tl.float32)
+            wv = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :], mask=m2, other=0.0)
+            sv = tl.load(s2_ptr + expert * stride_se + (n // BN)[:, None] * stride_sn + (k // BK)[None, :],
+                         mask=m2, other=0.0)
+            acc += wv.to(tl.float32) * sv * hv[None, :]
+        y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + p)
+        tl.store(part_ptr + p * stride_p + n, y, mask=nmask)
+
+
+def _experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+    m, width = x.shape
+    top_k = ids.shape[1]
+    shard = w2.shape[2]
+    width_out = w2.shape[1]
+    out = torch.empty(m, width_out, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, weights = ids.contiguous(), weights.contiguous()
+    bn, bk = fp8.fmt.implied_block(tuple(w13.shape), tuple(s13.shape))
+    h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
+    block_n = 32 if m * top_k >= 32 else 16
+    _gate_up_fp8_kernel[(m * top_k, triton.cdiv(shard, block_n))](
+        x, w13, s13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        h.stride(0), float(beta), float(linear_beta or 1.0), BN=bn, BK=bk, TOP_K=top_k, ACT=moe_kernels.ACTS[act],
+        CLIP_UP=linear_beta is not None, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+    bn2, bk2 = fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))
+    part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
+    _down_fp8_kernel[(m * top_k, triton.cdiv(width_out, 32))](
+        h, w2, s2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+        s2.stride(1), part.stride(0), BN=bn2, BK=bk2, BLOCK_N=32, BLOCK_K=128, num_warps=4)
+    moe_kernels._slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](
+        part, out, width_out, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @torch.library.custom_op("latentserve::fp8_moe_experts", mutates_args=())
+    def fp8_moe_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor, act: str, beta: float,
+                        linear_beta: float | None) -> torch.Tensor:
+        """moe_kernels.experts with FP8 w13/w2 and their block scales s13/s2."""
+        return _experts(x, w13, s13, w2, s2, weights, ids, act, beta, linear_beta)
+
+    @fp8_moe_experts.register_fake
+    def _(x, w13, s13, w2, s2, weights, ids, act, beta, linear_beta):
+        return x.new_empty(x.shape[0], w2.shape[1])
