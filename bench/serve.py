@@ -1,16 +1,27 @@
-"""HTTP serving benchmark: concurrent streaming clients, then the controller's sleep/wake overhead.
+"""HTTP serving benchmark: concurrent streaming clients, the same engine offline for a ratio,
+then the controller's sleep/wake overhead.
 
     .venv/bin/python bench/serve.py [--model tiny --tp 2 | --url http://127.0.0.1:8000 --admin-key K]
-        [--clients 8] [--requests 64] [--duration 120] [--prompt-len 16] [--max-tokens 32]
-        [--cycles 5] [--json out.json]
+        [--clients 8[,64,...]] [--requests 64] [--duration 120] [--prompt-len 16] [--max-tokens 32]
+        [--cycles 5] [--offline] [--json out.json]
+    python3 bench/serve.py --device cuda [--clients 64,256]     # one H200: see bench/gpu_serve.sh
 
-Starts `latentserve serve` on loopback (sleep mode on, every parameter preserved so level 2
-needs no weight update) unless --url is given; only loopback URLs are accepted. Load phase:
-`--clients` concurrent streaming clients send greedy token-id prompts until `--requests` are
-done or `--duration` seconds pass. Reports throughput, time to first token (TTFT), inter-token
-latency (ITL, per token: the gap between token-bearing chunks divided by their tokens) and
-end-to-end latency percentiles. Then `--cycles` level-1 and level-2 sleep/wake cycles: the
+Starts `latentserve serve` on loopback unless --url is given; only loopback URLs are accepted.
+On the CPU (default): sleep mode on, every parameter preserved so level 2 needs no weight update.
+With `--device cuda`: TP 1 on the mp executor (no Ray on the GPU box), the `small` preset with
+--layers layers in bf16, dummy weights drawn on the GPU, max_num_seqs and CUDA graphs up to the
+largest --clients, no sleep mode; and --offline by default.
+
+Load phase, once per --clients level: that many concurrent streaming clients (spread over
+--client-procs processes, so parsing the streams is not the bottleneck) send greedy token-id
+prompts until --requests (default: 4 per client on CUDA) are done or --duration seconds pass.
+Reports output tokens/s, time to first token (TTFT), inter-token latency (ITL, per token: the
+gap between token-bearing chunks divided by their tokens) and end-to-end latency percentiles.
+--offline: after the server stops, the same engine (the same serve options through `service.LLM`)
+generates the same prompts and lengths in waves of --clients; HTTP / offline output tokens/s is
+what serving over HTTP costs. Then `--cycles` level-1 and level-2 sleep/wake cycles: the
 controller's overhead is the HTTP round trip minus the slowest rank's own reported seconds.
+The last line is `SUMMARY {json}`.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -31,6 +43,12 @@ sys.path.insert(0, ROOT)
 from service.client import AsyncClient, Client  # noqa: E402
 from service.server.launch import start_healthy  # noqa: E402
 
+# --device cuda: bench/gpu.py's decode model (small with 24 layers: 8.2 GB of bf16, latent MoE).
+CUDA_DEFAULTS = {"model": "small", "tp": 1, "clients": "64,256", "prompt_len": 128, "max_tokens": 128,
+                 "cycles": 0, "client_procs": 4, "layers": 24, "dtype": "bfloat16", "backend": "mp"}
+CPU_DEFAULTS = {"model": "tiny", "tp": 2, "clients": "8", "prompt_len": 16, "max_tokens": 32, "cycles": 5,
+                "client_procs": 1, "layers": None, "dtype": "auto", "backend": "ray"}
+
 
 def log(msg: str) -> None:
     print(f"[serve-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -43,34 +61,64 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def graph_sizes(max_batch: int) -> list[int]:
+    """Decode batch sizes captured as CUDA graphs: powers of two up to the largest level (a batch
+    runs in the smallest graph that holds it)."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def server_args(args) -> list[str]:
+    """`latentserve serve` options of the bench's engine (the offline baseline parses the same)."""
+    out = ["--model", args.model, "--tp", str(args.tp), "--dtype", args.dtype, "--device", args.device,
+           "--max-num-seqs", str(max(64, max(args.clients))), "--distributed-executor-backend", args.backend]
+    if args.layers:
+        out += ["--hf-overrides", json.dumps({"num_hidden_layers": args.layers})]
+    if args.device.startswith("cuda"):
+        out += ["--dummy-weights", "device",
+                "--cuda-graph-batch-sizes", ",".join(map(str, graph_sizes(max(args.clients)))),
+                "--kv-cache-memory-gib", str(args.kv_cache_gib), "--max-num-batched-tokens", "8192",
+                "--max-model-len", str(max(256, args.prompt_len + args.max_tokens))]
+    else:
+        out += ["--enable-sleep-mode", "--sleep-preserve-parameter-names", "*"]
+    return out
+
+
+def make_prompts(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 256) for _ in range(prompt_len)] for _ in range(n)]
+
+
+# ---- load: streaming clients --------------------------------------------------------------------
+
 async def one_request(c: AsyncClient, prompt: list[int], max_tokens: int) -> dict:
-    start = time.perf_counter()
+    start = time.monotonic()  # system-wide on Linux: comparable across client processes
     first, last, itl, tokens = None, None, [], 0
     async for chunk in c.stream_completions([prompt], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
         n = sum(len(ch.get("token_ids", [])) for ch in chunk.get("choices", []))
         if not n:
             continue
-        now = time.perf_counter()
+        now = time.monotonic()
         if first is None:
             first = now
         else:
             itl.extend([(now - last) / n] * n)
         last, tokens = now, tokens + n
-    return {"ttft": first - start, "e2e": time.perf_counter() - start, "itl": itl, "tokens": tokens}
+    end = time.monotonic()
+    return {"ttft": first - start, "e2e": end - start, "itl": itl, "tokens": tokens, "start": start, "end": end}
 
 
-async def load_phase(url: str, clients: int, requests: int, duration: float, prompt_len: int,
-                     max_tokens: int) -> dict:
-    rng = random.Random(0)
-    prompts = [[rng.randrange(5, 256) for _ in range(prompt_len)] for _ in range(requests)]
+async def _clients(url: str, clients: int, prompts: list[list[int]], max_tokens: int, stop_at: float) -> dict:
     results: list[dict] = []
     errors: list[str] = []
     issued = 0
-    stop_at = time.perf_counter() + duration
 
     async def client_loop(c: AsyncClient) -> None:
         nonlocal issued
-        while issued < requests and time.perf_counter() < stop_at:
+        while issued < len(prompts) and time.monotonic() < stop_at:
             prompt = prompts[issued]
             issued += 1
             try:
@@ -78,21 +126,95 @@ async def load_phase(url: str, clients: int, requests: int, duration: float, pro
             except Exception as e:
                 errors.append(f"{type(e).__name__}: {e}")
 
-    async with AsyncClient(url, timeout=600.0) as c:
-        await one_request(c, prompts[0], 4)  # warm-up
-        t0 = time.perf_counter()
+    async with AsyncClient(url, timeout=600.0, max_connections=clients + 4) as c:
         await asyncio.gather(*(client_loop(c) for _ in range(clients)))
-        wall = time.perf_counter() - t0
+    return {"results": results, "errors": errors}
+
+
+def _client_process(url: str, clients: int, prompts: list[list[int]], max_tokens: int, duration: float,
+                    barrier, results) -> None:
+    """One process's share of the clients: starts when every process (and the parent) is ready."""
+    try:
+        barrier.wait()
+        results.put(asyncio.run(_clients(url, clients, prompts, max_tokens, time.monotonic() + duration)))
+    except BaseException as e:  # the parent waits for one answer per process
+        results.put({"results": [], "errors": [f"client process: {type(e).__name__}: {e}"]})
+
+
+def split(n: int, parts: int) -> list[int]:
+    """n as `parts` near-equal positive counts (fewer parts when n is small)."""
+    parts = max(1, min(parts, n))
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def load_phase(url: str, clients: int, prompts: list[list[int]], max_tokens: int, duration: float,
+               procs: int) -> dict:
+    """`clients` concurrent streams over `procs` processes, the prompts dealt round-robin."""
+    shares = split(clients, procs)
+    if len(shares) == 1:
+        parts = [asyncio.run(_clients(url, clients, prompts, max_tokens, time.monotonic() + duration))]
+    else:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+        barrier, queue = ctx.Barrier(len(shares) + 1), ctx.Queue()
+        procs_ = [ctx.Process(target=_client_process, daemon=True, args=(
+            url, share, prompts[i::len(shares)], max_tokens, duration, barrier, queue))
+            for i, share in enumerate(shares)]
+        for proc in procs_:
+            proc.start()
+        barrier.wait(timeout=300)  # every process has imported and is ready: the clock starts together
+        parts = [queue.get(timeout=duration + 900) for _ in procs_]
+        for proc in procs_:
+            proc.join(30)
+    return summarize(clients, [r for p in parts for r in p["results"]], [e for p in parts for e in p["errors"]])
+
+
+def summarize(clients: int, results: list[dict], errors: list[str]) -> dict:
+    wall = (max(r["end"] for r in results) - min(r["start"] for r in results)) if results else float("nan")
     tokens = sum(r["tokens"] for r in results)
     itl = [x for r in results for x in r["itl"]]
     summary = {"clients": clients, "requests": len(results), "errors": len(errors), "wall_s": wall,
-               "output_tokens": tokens, "tokens_per_s": tokens / wall, "requests_per_s": len(results) / wall}
+               "output_tokens": tokens, "tokens_per_s": tokens / wall if results else 0.0,
+               "requests_per_s": len(results) / wall if results else 0.0}
     for name, xs in (("ttft", [r["ttft"] for r in results]), ("itl", itl), ("e2e", [r["e2e"] for r in results])):
         summary[name] = {f"p{q}": pct(xs, q) for q in (50, 90, 99)}
     if errors:
         summary["first_error"] = errors[0]
     return summary
 
+
+# ---- the same engine offline -----------------------------------------------------------------------
+
+def offline_baseline(serve_argv: list[str], levels: list[tuple[int, int]], prompts: list[list[int]],
+                     max_tokens: int) -> dict[int, dict]:
+    """Output tokens/s of `service.LLM` built from the same serve options, generating the first
+    `requests` prompts of each (clients, requests) level in waves of `clients`."""
+    from service import LLM, SamplingParams
+    from service.cli import build_parser
+    from service.engine_config import engine_kwargs
+
+    ns = build_parser().parse_args(["serve", *serve_argv])
+    t0 = time.perf_counter()
+    llm = LLM(distributed_executor_backend=ns.distributed_executor_backend, **engine_kwargs(ns))
+    log(f"offline engine up in {time.perf_counter() - t0:.1f} s")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = {}
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params)  # warm-up
+        for clients, requests in levels:
+            tokens, t0 = 0, time.perf_counter()
+            for i in range(0, requests, clients):
+                wave = [{"prompt_token_ids": p} for p in prompts[i:min(i + clients, requests)]]
+                tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(wave, params))
+            wall = time.perf_counter() - t0
+            out[clients] = {"requests": requests, "output_tokens": tokens, "wall_s": wall,
+                            "tokens_per_s": tokens / wall}
+            log(f"offline, waves of {clients}: {out[clients]}")
+    finally:
+        llm.shutdown()
+    return out
+
+
+# ---- sleep/wake --------------------------------------------------------------------------------------
 
 def rank_seconds(report: dict) -> float:
     return max((r["result"] or {}).get("seconds", 0.0) for r in report["ranks"] if r.get("result") is not None)
@@ -120,62 +242,130 @@ def sleep_wake_overhead(c: Client, cycles: int) -> dict:
     return out
 
 
-def print_report(load: dict, overhead: dict, args) -> None:
-    print(f"\nLoad: {load['clients']} clients, {load['requests']} requests x {args.max_tokens} tokens "
-          f"(prompt {args.prompt_len}), {load['errors']} errors, {load['wall_s']:.1f} s")
-    print(f"throughput: {load['tokens_per_s']:.1f} output tokens/s, {load['requests_per_s']:.2f} requests/s\n")
-    print("| metric | p50 | p90 | p99 |\n|---|---:|---:|---:|")
-    for name, label in (("ttft", "time to first token (ms)"), ("itl", "inter-token latency (ms)"),
-                        ("e2e", "request latency (ms)")):
-        row = load[name]
-        print(f"| {label} | {row['p50'] * 1e3:.1f} | {row['p90'] * 1e3:.1f} | {row['p99'] * 1e3:.1f} |")
-    print("\n| op (median of cycles) | HTTP round trip (ms) | slowest rank (ms) | controller overhead (ms) |")
-    print("|---|---:|---:|---:|")
-    for name, row in overhead.items():
-        print(f"| {name} | {row['http_s'] * 1e3:.1f} | {row['ranks_s'] * 1e3:.1f} | {row['overhead_s'] * 1e3:.1f} |")
+# ---- report ------------------------------------------------------------------------------------------
+
+def print_report(loads: list[dict], overhead: dict, args) -> None:
+    for load in loads:
+        print(f"\nLoad: {load['clients']} clients, {load['requests']} requests x {args.max_tokens} tokens "
+              f"(prompt {args.prompt_len}), {load['errors']} errors, {load['wall_s']:.1f} s")
+        line = f"throughput: {load['tokens_per_s']:.1f} output tokens/s, {load['requests_per_s']:.2f} requests/s"
+        if "offline_tokens_per_s" in load:
+            line += (f"; offline (same engine, waves of {load['clients']}): {load['offline_tokens_per_s']:.1f} "
+                     f"tokens/s -> HTTP / offline {load['http_over_offline']:.2f}")
+        print(line + "\n")
+        print("| metric | p50 | p90 | p99 |\n|---|---:|---:|---:|")
+        for name, label in (("ttft", "time to first token (ms)"), ("itl", "inter-token latency (ms)"),
+                            ("e2e", "request latency (ms)")):
+            row = load[name]
+            print(f"| {label} | {row['p50'] * 1e3:.1f} | {row['p90'] * 1e3:.1f} | {row['p99'] * 1e3:.1f} |")
+        if load.get("first_error"):
+            print(f"first error: {load['first_error']}")
+    if overhead:
+        print("\n| op (median of cycles) | HTTP round trip (ms) | slowest rank (ms) | controller overhead (ms) |")
+        print("|---|---:|---:|---:|")
+        for name, row in overhead.items():
+            print(f"| {name} | {row['http_s'] * 1e3:.1f} | {row['ranks_s'] * 1e3:.1f} | "
+                  f"{row['overhead_s'] * 1e3:.1f} |")
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url")
     p.add_argument("--admin-key", default=os.environ.get("LATENTSERVE_ADMIN_KEY"))
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--duration", type=float, default=120.0)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--cycles", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: one GPU, TP 1 on the mp executor (no Ray)")
+    p.add_argument("--model", help="default: tiny on the CPU, small on CUDA")
+    p.add_argument("--tp", type=int, help="default: 2 on the CPU, 1 on CUDA")
+    p.add_argument("--backend", choices=["ray", "mp"], help="executor (default: ray on the CPU, mp on CUDA)")
+    p.add_argument("--layers", type=int, help="num_hidden_layers override (default: 24 on CUDA, as bench/gpu.py)")
+    p.add_argument("--dtype", help="default: auto on the CPU, bfloat16 on CUDA")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="CUDA: KV cache (256 x 256 tokens need 1.8 GB)")
+    p.add_argument("--clients", help="concurrent streams, one load phase per comma-separated level "
+                                     "(default: 8 on the CPU, 64,256 on CUDA)")
+    p.add_argument("--client-procs", type=int, help="processes the clients are spread over (default 1; CUDA 4)")
+    p.add_argument("--requests", type=int, help="requests per level (default: 64; CUDA: 4 per client)")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds per level at most")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--cycles", type=int, help="sleep/wake cycles (default: 5 on the CPU, 0 on CUDA)")
+    p.add_argument("--offline", action=argparse.BooleanOptionalAction, default=None,
+                   help="the same engine offline for the HTTP/offline ratio (default: on with CUDA)")
     p.add_argument("--json")
-    args = p.parse_args()
-    server = None
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    for key, value in (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.clients = [int(x) for x in str(args.clients).split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--clients takes comma-separated integers, got {args.clients!r}")
+    if not args.clients or min(args.clients) < 1:
+        p.error("--clients needs at least one level, each >= 1")
+    if args.requests is None:
+        args.requests = 0 if cuda else 64  # 0: 4 per client, per level
+    if args.offline is None:
+        args.offline = cuda and not args.url
     if args.url:
         if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
             p.error("loopback URLs only (this benchmark floods the server)")
+        if args.offline:
+            p.error("--offline needs the bench to start the server (it builds the same engine)")
+    if cuda and not args.url:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device} needs a CUDA GPU, and torch.cuda.is_available() is False on this "
+                    "machine (run it on the GPU box: bench/gpu_serve.sh)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    levels = [(c, args.requests or 4 * c) for c in args.clients]
+    prompts = make_prompts(max(n for _, n in levels), args.prompt_len)
+    server, argv_serve = None, server_args(args)
+    if args.url:
         url, key = args.url, args.admin_key
     else:
-        log(f"starting {args.model} TP {args.tp}")
-        server, seconds = start_healthy(["--model", args.model, "--tp", str(args.tp), "--enable-sleep-mode",
-                                         "--sleep-preserve-parameter-names", "*",
-                                         "--max-num-seqs", str(max(64, args.clients))])
+        log(f"starting {args.model} TP {args.tp} on {args.device}: {' '.join(argv_serve)}")
+        server, seconds = start_healthy(argv_serve)
         log(f"ready in {seconds:.1f} s (log {server.log_path})")
         url, key = server.url, server.admin_key
+    loads, overhead = [], {}
     try:
-        load = asyncio.run(load_phase(url, args.clients, args.requests, args.duration, args.prompt_len,
-                                      args.max_tokens))
-        overhead = {}
+        warm = load_phase(url, 1, prompts[:2], 4, args.duration, 1)  # first requests: not measured
+        log(f"warm-up: {warm['requests']} requests, {warm['errors']} errors")
+        for clients, requests in levels:
+            load = load_phase(url, clients, prompts[:requests], args.max_tokens, args.duration, args.client_procs)
+            log(f"{clients} clients: {load['tokens_per_s']:.1f} output tokens/s, {load['requests']} requests, "
+                f"{load['errors']} errors")
+            loads.append(load)
         if key and args.cycles:
             with Client(url, key) as c:
                 overhead = sleep_wake_overhead(c, args.cycles)
     finally:
         if server is not None:
             server.stop()
-    print_report(load, overhead, args)
+    if args.offline:
+        done = [(load["clients"], load["requests"]) for load in loads if load["requests"]]
+        offline = offline_baseline(argv_serve, done, prompts, args.max_tokens)
+        for load in loads:
+            base = offline.get(load["clients"])
+            if base is not None:
+                load["offline_tokens_per_s"] = base["tokens_per_s"]
+                load["http_over_offline"] = load["tokens_per_s"] / base["tokens_per_s"]
+    print_report(loads, overhead, args)
+    summary = {"device": args.device, "model": args.model, "layers": args.layers, "tp": args.tp,
+               "server_args": argv_serve if server is not None else None, "loads": loads, "sleep_wake": overhead,
+               "args": {k: v for k, v in vars(args).items() if k != "admin_key"}}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load": load, "sleep_wake": overhead, "args": vars(args)}, f, indent=2)
-    return 0 if not load["errors"] else 1
+            json.dump(summary, f, indent=2)
+    brief = {"device": args.device, "levels": [{k: load.get(k) for k in (
+        "clients", "requests", "errors", "tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft", "itl")}
+        for load in loads]}
+    print("SUMMARY " + json.dumps(brief), flush=True)
+    return 0 if not any(load["errors"] for load in loads) else 1
 
 
 if __name__ == "__main__":
