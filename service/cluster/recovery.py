@@ -68,6 +68,8 @@ def recover(worker, error: BaseException | None) -> BaseException | None:
         with worker._exec_lock:
             if worker.collective is not None and worker._flags_readable():
                 worker.collective.rearm()
+            if worker.tp.device_comm is not None and worker._flags_readable():
+                worker.tp.device_comm.rearm()  # the device all-reduce's mailboxes and flags, alike
         worker.tp.barrier()  # nobody pushes into a mailbox its owner has not cleared yet
         flags, reasons = _exchange_reports(worker, text)
     except Exception as e:  # a peer dead or stuck: only a restart helps now

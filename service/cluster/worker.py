@@ -116,6 +116,7 @@ class RankWorker(RankWeights, RankRPC):
         if self.tp.shm is not None:  # exchange memory outside the pool: kept by every sleep level
             self.pool.register_comm("tp_collectives", self.tp.shm.nbytes)
         self.collective = self._make_collective(group_name)
+        self.tp.device_comm = self._make_device_comm(group_name)
         mode = cfg.fused_tail
 
         def tail_factory(layer_idx: int) -> TailRunner:
@@ -155,6 +156,23 @@ class RankWorker(RankWeights, RankRPC):
             state_alloc=self.pool.state, group_name=group_name, deadline_s=cfg.tail_deadline_s,
             barrier=self.tp.barrier,
         )
+
+    def _make_device_comm(self, group_name: str):
+        """Capturable device all-reduce/all-gather (tail/device_comm.py) for CUDA decode steps of
+        ranks on one node, sized for the largest decode graph; None keeps torch.distributed."""
+        cfg = self.config
+        if self.device.type != "cuda" or self.world_size == 1 or not self.same_node:
+            return None
+        from ..tail import device_comm
+
+        if not device_comm.enabled():
+            return None
+        mcfg = cfg.model_config
+        rows = max([b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs], default=1)
+        widths = device_comm.channel_widths(cfg.torch_dtype, mcfg.hidden_size, mcfg.vocab_size, self.world_size)
+        return device_comm.DeviceCollectives.create(
+            self.rank, self.world_size, max_tokens=rows, widths=widths, state_alloc=self.pool.state,
+            group_name=group_name, deadline_s=cfg.tail_deadline_s, barrier=self.tp.barrier, device=self.device)
 
     def _load_initial_weights(self) -> None:
         from ..weights import checkpoint as weights

@@ -14,7 +14,7 @@ from ..engine.plan import encode_message
 from ..lifecycle import EngineStateError
 
 # Read-only diagnostics that collective_rpc may call (plus test hooks, see below).
-DIAGNOSTICS = ("tail_state", "weight_checksums", "memory_report", "data_ptrs", "ping", "status")
+DIAGNOSTICS = ("tail_state", "weight_checksums", "memory_report", "data_ptrs", "ping", "status", "graph_stats")
 # Hooks that change state; only for tests and verify-sleep's negative control.
 TEST_HOOKS = ("zero_tail_flags", "probe_forward", "fail_next_sleep")
 
@@ -70,6 +70,13 @@ class RankRPC:
                 "weights_valid": self.pool.weights_valid, "weight_version": self.weight_version,
                 "failed": self.failed, "recoveries": self.recoveries, "last_failure": self.last_failure,
                 "tail": self.tail_summary(), "tail_epochs": self.tail_epochs()}
+
+    def rpc_graph_stats(self) -> dict:
+        """Decode CUDA graphs (None: eager) and the device collectives' calls and epochs."""
+        comm = self.tp.device_comm
+        return {"rank": self.rank, "graphs": self.decode_graphs.stats() if self.decode_graphs is not None else None,
+                "device_comm": None if comm is None else {"calls": comm.calls, "epochs": comm.epochs()
+                                                          if self._flags_readable() else None}}
 
     def rpc_zero_tail_flags(self) -> dict:
         """Negative control: lose the Lamport flags as the old level 2 did."""

@@ -24,6 +24,9 @@ class TPGroup:
         self.world_size = world_size
         self.group = group
         self.shm = None  # ShmGroup when the ranks share a node
+        # Device collectives of one node's ranks (service/tail/device_comm.py), set by the worker:
+        # CUDA tensors up to their capacity (decode steps, also inside CUDA graphs) go there.
+        self.device_comm = None
 
     def use_shared_memory(self, group_name: str, deadline_s: float = 60.0) -> None:
         """Move this node's collectives to shared memory (every rank calls it, same name)."""
@@ -49,7 +52,13 @@ class TPGroup:
         return cls(rank, world_size, dist.group.WORLD)
 
     # ---- tensor collectives --------------------------------------------------
+    def _on_device_comm(self, t: torch.Tensor) -> bool:
+        return self.device_comm is not None and t.is_cuda and self.device_comm.fits(t)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks; use the result (the device path returns a new tensor)."""
+        if self._on_device_comm(t):
+            return self.device_comm.all_reduce(t)
         if self._on_shm(t):
             return self.shm.all_reduce(t)
         if self.world_size > 1:
@@ -61,6 +70,8 @@ class TPGroup:
             return t
         if self._on_shm(t):
             return self.shm.all_gather(t, dim)
+        if dim in (-1, t.dim() - 1) and self._on_device_comm(t):
+            return self.device_comm.all_gather(t)
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -99,6 +110,9 @@ class TPGroup:
         return self.rank * size, size
 
     def destroy(self) -> None:
+        if self.device_comm is not None:
+            self.device_comm.close()
+            self.device_comm = None
         if self.shm is not None:
             self.shm.close()
             self.shm = None

@@ -160,8 +160,11 @@ def collect_kernel(out, out_stride, norm_w, table, flags, err, rank, eps, deadli
                    HAS_NORM: tl.constexpr, BLOCK_W: tl.constexpr, USE_PTX: tl.constexpr):
     """Program = one row of this rank's mailbox[cur]: wait for every sender, then
     MODE 0: sum in rank order (fp32) and RMSNorm (when HAS_NORM) -> out row; MODE 1: sum -> fp32 out row;
-    MODE 2: copy sender s's row to out[row, s*WIDTH:(s+1)*WIDTH] (the all-gather)."""
+    MODE 2: copy sender s's row to out[row, s*WIDTH:(s+1)*WIDTH] (the all-gather).
+    Axis 1 tiles the columns BLOCK_W at a time (the device all-gather of a vocab-wide row);
+    the norm needs the whole row, so MODE 0 takes one tile (BLOCK_W >= WIDTH)."""
     row = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_W
     cur = tl.load(flags + 0) % 3
     epoch = tl.load(flags + 3)
     alive = tl.load(err + 0) == 0
@@ -179,7 +182,7 @@ def collect_kernel(out, out_stride, norm_w, table, flags, err, rank, eps, deadli
     ok = alive & (tag_mask == 0)
 
     sent = _sentinel(BITS)
-    cols = tl.arange(0, BLOCK_W)
+    cols = col0 + tl.arange(0, BLOCK_W)
     in_row = cols < WIDTH
     acc = tl.zeros([BLOCK_W], dtype=tl.float32)
     missing = tl.full([], 0, tl.int32)
