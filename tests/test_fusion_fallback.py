@@ -121,7 +121,7 @@ def test_a_capture_the_compiled_layers_break_is_retried_uncompiled(monkeypatch):
     built = []
 
     class FakeGraphs:
-        def __init__(self, *args, compile_layers=None):
+        def __init__(self, *args, compile_layers=None, scratch=None):
             built.append(compile_layers)
             if compile_layers:
                 raise RuntimeError("operation not permitted when stream is capturing")
@@ -131,10 +131,10 @@ def test_a_capture_the_compiled_layers_break_is_retried_uncompiled(monkeypatch):
             return {"compiled_layers": None}
 
     monkeypatch.setattr(cuda_graph, "DecodeGraphs", FakeGraphs)
-    monkeypatch.setattr(cuda_graph, "unsupported_reason", lambda model, kv: None)
+    monkeypatch.setattr(cuda_graph, "unsupported_reason", lambda model, kv, max_batch=None: None)
     monkeypatch.setenv("LATENTSERVE_COMPILE", "layers")
     config = SimpleNamespace(enforce_eager=False, device="cuda", cuda_graph_batch_sizes=[1, 8], max_num_seqs=8,
-                             block_size=16, max_model_len=64)
+                             block_size=16, max_model_len=64, kv_blocks=lambda: 32)
     graphs = cuda_graph.for_worker(None, [], config)
     assert isinstance(graphs, FakeGraphs) and built == [True, False]
     built.clear()

@@ -195,7 +195,9 @@ class RankWorker(RankWeights, RankRPC):
         scheduler state slot: conv history and recurrent state)."""
         cfg = self.config
         mcfg = cfg.model_config
-        shape = (cfg.kv_blocks(), cfg.block_size, mcfg.kv_cache_dim)
+        # One block and one state row past what the engine hands out: the decode graphs' scratch,
+        # where padding rows run (cuda_graph.scratch_indices).
+        shape = (cfg.kv_blocks() + 1, cfg.block_size, mcfg.kv_cache_dim)
         self.kv_caches = []
         for i in range(mcfg.num_hidden_layers):
             if not mcfg.is_kda_layer(i):
@@ -203,7 +205,7 @@ class RankWorker(RankWeights, RankRPC):
                 continue
             from ..model.kda import KDAState, kda_state_shapes
 
-            rows = {name: self.pool.allocate("kv_cache", f"kda_state.{i}.{name}", (cfg.max_num_seqs, *row),
+            rows = {name: self.pool.allocate("kv_cache", f"kda_state.{i}.{name}", (cfg.max_num_seqs + 1, *row),
                                              dtype or cfg.torch_dtype)
                     for name, (row, dtype) in kda_state_shapes(mcfg, self.world_size).items()}
             self.kv_caches.append(KDAState(**rows))

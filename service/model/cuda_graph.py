@@ -1,9 +1,14 @@
 """CUDA graphs of the decode step at fixed batch sizes.
 
 A decode step (one token per sequence, logits for every row) at batch n replays the graph of
-the smallest captured size >= n; rows past n repeat row 0 (same token, position, slot and
-context), so they write row 0's own KV values into row 0's slot and change nothing. Every
-input lives in one device buffer that the host fills with a single copy per step.
+the smallest captured size >= n. Rows past n (padding) run as a fresh one-token sequence in a
+scratch KV block and a scratch KDA state row that the engine never hands out (the worker
+allocates one of each past the engine's; `scratch_indices`): KDA layers read-modify-write
+their rows in place, so a padding row on a live sequence's row would apply its step twice, and
+a padding row's hidden state differs from the row it copies once a KDA layer ran, so its MLA
+KV write would race that row's own. The capture runs every row there too. Every input (token,
+position, KV slot, context length, state row, block table) lives in one device buffer that the
+host fills with a single copy per step.
 
 The graphs read the weights and the KV cache at their pool addresses. Sleep keeps those
 addresses (DESIGN §2), so graphs captured once stay valid across level-1 and level-2 cycles
@@ -33,27 +38,57 @@ import torch
 
 from ..engine.plan import SeqChunk
 from ..log import get_logger
-from . import fusion, mla_decode
+from . import fusion, mla_decode, moe_kernels
 from .attention import AttnMetadata
+from .kda import KDAState
+from .kda_ops import fla_available
 from .moe import MoE, grouped_mm_fast
 
 log = get_logger("cuda_graph")
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-IDS, POSITIONS, SLOTS, CONTEXT = range(4)  # the four per-row fields, before the block tables
+IDS, POSITIONS, SLOTS, CONTEXT, STATE = range(5)  # the per-row fields, before the block tables
+FIELDS = 5
 
 
 def buffer_len(max_batch: int, width: int) -> int:
-    return 4 * max_batch + max_batch * width
+    return FIELDS * max_batch + max_batch * width
+
+
+def scratch_indices(config) -> tuple[int, int]:
+    """(KV block, KDA state row) that no sequence ever gets: the engine's block manager owns
+    blocks 0..kv_blocks()-1 and its scheduler state slots 0..max_num_seqs-1; the worker
+    allocates one more of each (`_allocate_kv_cache`)."""
+    return config.kv_blocks(), config.max_num_seqs
+
+
+def _views(buf: np.ndarray, max_batch: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    return (buf[: FIELDS * max_batch].reshape(FIELDS, max_batch),
+            buf[FIELDS * max_batch:].reshape(max_batch, width))
+
+
+def fill_scratch(buf: np.ndarray, start: int, stop: int, max_batch: int, width: int, block_size: int,
+                 scratch: tuple[int, int]) -> None:
+    """Rows start..stop-1 of `buf`: token 0 at position 0 of the scratch block, on the scratch state
+    row. Position 0 makes each step zero the scratch row first (a fresh sequence) and context 1
+    reads only the slot the row itself wrote, so padding rows touch nothing a sequence owns."""
+    fields, tables = _views(buf, max_batch, width)
+    block, row = scratch
+    fields[IDS, start:stop] = 0
+    fields[POSITIONS, start:stop] = 0
+    fields[SLOTS, start:stop] = block * block_size
+    fields[CONTEXT, start:stop] = 1
+    fields[STATE, start:stop] = row
+    tables[start:stop, 0] = block
 
 
 def pack_decode(chunks: list[SeqChunk], batch: int, max_batch: int, width: int, block_size: int,
-                buf: np.ndarray) -> None:
+                buf: np.ndarray, scratch: tuple[int, int] = (0, 0)) -> None:
     """Write a decode step's inputs into `buf` (int64, `buffer_len(max_batch, width)` long):
-    ids, positions, slots, context lengths ([max_batch] each), then block tables [max_batch, width].
-    Rows len(chunks)..batch-1 repeat row 0. Only the blocks a context covers are written."""
-    fields = buf[: 4 * max_batch].reshape(4, max_batch)
-    tables = buf[4 * max_batch:].reshape(max_batch, width)
+    ids, positions, slots, context lengths, state rows ([max_batch] each), then block tables
+    [max_batch, width]. Rows len(chunks)..batch-1 are padding (`fill_scratch`). Only the blocks a
+    context covers are written."""
+    fields, tables = _views(buf, max_batch, width)
     for i, c in enumerate(chunks):
         pos = c.start_pos
         blocks = -(-(pos + 1) // block_size)
@@ -61,11 +96,10 @@ def pack_decode(chunks: list[SeqChunk], batch: int, max_batch: int, width: int, 
         fields[POSITIONS, i] = pos
         fields[SLOTS, i] = c.block_table[pos // block_size] * block_size + pos % block_size
         fields[CONTEXT, i] = pos + 1
+        fields[STATE, i] = c.state_slot
         tables[i, :blocks] = c.block_table[:blocks]
-    n = len(chunks)
-    if batch > n:
-        fields[:, n:batch] = fields[:, :1]
-        tables[n:batch] = tables[0]
+    if batch > len(chunks):
+        fill_scratch(buf, len(chunks), batch, max_batch, width, block_size, scratch)
 
 
 def graphable(chunks: list[SeqChunk], max_batch: int, width: int, block_size: int) -> bool:
@@ -81,23 +115,49 @@ def graphable(chunks: list[SeqChunk], max_batch: int, width: int, block_size: in
     return True
 
 
-def unsupported_reason(model, kv_caches: list[torch.Tensor]) -> str | None:
-    """Why this model cannot run its decode step in a CUDA graph, or None."""
+def unsupported_reason(model, kv_caches: list, max_batch: int | None = None) -> str | None:
+    """Why this model cannot run its decode step in a CUDA graph (at batches up to max_batch), or None."""
     w = model.model.norm.weight
     if not w.is_cuda:
         return "not on CUDA"
     if model.tp.world_size != 1 and getattr(model.tp, "device_comm", None) is None:
         return ("TP > 1 without the device collectives (ranks on several nodes, or "
                 "LATENTSERVE_CUDA_ALLREDUCE=0): torch.distributed cannot be captured")
-    if model.config.kda_layers:
-        return "KDA layers: their state rows are not in the captured inputs yet"
+    states = [c for c in kv_caches if isinstance(c, KDAState)]
+    if states:
+        if any(s.recurrent.dtype != torch.float32 for s in states):
+            return "KDA recurrent state rows are not float32 (FLA's in-place decode kernel needs them so)"
+        if not fla_available():  # the torch recurrent step is graph-safe too, only slower
+            log.info("kda_decode_torch_path", reason="fla (fla-core) does not import")
     has_moe = any(isinstance(layer.mlp, MoE) for layer in model.layers)
-    if has_moe and not grouped_mm_fast(w):
-        return f"MoE needs torch._grouped_mm's fused kernels (bf16 on sm_90/sm_100), got {w.dtype}"
-    kv = next(c for c in kv_caches if isinstance(c, torch.Tensor))
+    if has_moe and not grouped_mm_fast(w) and not _gemv_experts_only(model, w, max_batch):
+        return (f"MoE needs torch._grouped_mm's fused kernels (bf16 on sm_90/sm_100), got {w.dtype}, or every "
+                f"captured batch within the Triton GEMV experts' {moe_kernels.gemv_max_tokens()} tokens")
+    kv = next((c for c in kv_caches if isinstance(c, torch.Tensor)), None)
+    if kv is None:
+        return None
     probe = torch.empty(1, 1, kv.shape[-1], dtype=w.dtype, device=w.device)
     if not mla_decode.supported(probe, kv, model.config.kv_lora_rank):
         return "the Triton MLA decode kernel does not fit (Triton missing, or latent/rope widths not powers of 2)"
+    return None
+
+
+def _gemv_experts_only(model, w: torch.Tensor, max_batch: int | None) -> bool:
+    """Every captured batch takes the Triton GEMV experts (the fallback without grouped GEMMs
+    syncs with the host per expert, which a capture cannot)."""
+    if max_batch is None:
+        return False
+    probe = torch.empty(max_batch, 1, dtype=w.dtype, device=w.device)
+    return moe_kernels.experts_supported(probe, model.config.hidden_act)
+
+
+def scratch_reason(kv_caches: list, scratch: tuple[int, int]) -> str | None:
+    block, row = scratch
+    for c in kv_caches:
+        if isinstance(c, torch.Tensor) and c.shape[0] <= block:
+            return f"the KV cache has no scratch block {block} for padding rows"
+        if isinstance(c, KDAState) and c.recurrent.shape[0] <= row:
+            return f"the KDA state has no scratch row {row} for padding rows"
     return None
 
 
@@ -115,10 +175,12 @@ class DecodeGraphs:
     step is not a graphable decode (then the caller runs it eagerly)."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 batch_sizes=DEFAULT_BATCH_SIZES, compile_layers: bool | None = None):
+                 batch_sizes=DEFAULT_BATCH_SIZES, compile_layers: bool | None = None,
+                 scratch: tuple[int, int] = (0, 0)):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.scratch = scratch  # (KV block, KDA state row): padding rows and the capture run there
         self.sizes = sorted(set(int(b) for b in batch_sizes))
         self.max_batch = self.sizes[-1]
         self.width = -(-max_model_len // block_size)
@@ -128,9 +190,10 @@ class DecodeGraphs:
         self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True)
         self._staging_np = self.staging.numpy()
         self._copied = torch.cuda.Event()
-        fields = self.inputs[: 4 * n].view(4, n)
+        fields = self.inputs[: FIELDS * n].view(FIELDS, n)
         self.ids, self.positions, self.slots, self.context = fields[IDS], fields[POSITIONS], fields[SLOTS], fields[CONTEXT]
-        self.tables = self.inputs[4 * n:].view(n, self.width)
+        self.state_slots = fields[STATE]
+        self.tables = self.inputs[FIELDS * n:].view(n, self.width)
         self.rows = torch.arange(n + 1, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -151,7 +214,7 @@ class DecodeGraphs:
             block_size=self.block_size, query_lens=[1] * b, query_starts=list(range(b + 1)),
             start_positions=[0] * b, context_lens_list=[1] * b, max_position=0,
             decode_token_idx=rows, decode_block_tables=self.tables[:b], decode_slots=None, decode_bias=None,
-            prefill_chunks=[], decode_context_lens=self.context[:b])
+            prefill_chunks=[], decode_context_lens=self.context[:b], state_slots=self.state_slots[:b])
 
     def _forward(self, b: int, meta: AttnMetadata) -> torch.Tensor:
         hidden = self.model(self.ids[:b], meta, self.kv_caches)
@@ -160,18 +223,23 @@ class DecodeGraphs:
     def _compiled_layers(self):
         if self.compiled is None:
             return contextlib.nullcontext()
-        # The KV caches keep their shapes for the engine's life: no symbolic dims for them.
+        # The KV caches and state rows keep their shapes for the engine's life: no symbolic dims.
         for kv in self.kv_caches:
-            if isinstance(kv, torch.Tensor):
-                torch._dynamo.mark_static(kv)
-        return fusion.compiled_calls(self.model.layers, self.compiled)
+            for t in (kv.conv, kv.recurrent) if isinstance(kv, KDAState) else (kv,):
+                torch._dynamo.mark_static(t)
+        layers = self.model.layers
+        if self.model.model.attn_res:
+            # Attention-residual layers run through forward_attn_res, a method, not the module's
+            # call: compile their attention and MLP modules instead (the mixes stay eager).
+            layers = [m for layer in layers for m in (layer.self_attn, layer.mlp)]
+        return fusion.compiled_calls(layers, self.compiled)
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        # Every row: token 0 at position 0 of block 0, so capture only ever writes slot 0 (the
-        # engine has no sequences yet; the first sequence in block 0 overwrites it).
-        self.inputs.zero_()
-        self.context.fill_(1)
+        # Every row in the scratch block and state row: capture writes nothing a sequence owns.
+        self._staging_np[:] = 0
+        fill_scratch(self._staging_np, 0, self.max_batch, self.max_batch, self.width, self.block_size, self.scratch)
+        self.inputs.copy_(self.staging)
         with self._compiled_layers():
             self._capture_all()
         torch.cuda.synchronize()
@@ -201,7 +269,7 @@ class DecodeGraphs:
             return None
         b = self.batch_for(len(chunks))
         self._copied.synchronize()  # the previous step's copy has left the staging buffer
-        pack_decode(chunks, b, self.max_batch, self.width, self.block_size, self._staging_np)
+        pack_decode(chunks, b, self.max_batch, self.width, self.block_size, self._staging_np, self.scratch)
         self.inputs.copy_(self.staging, non_blocking=True)
         self._copied.record()
         self.graphs[b].replay()
@@ -224,8 +292,9 @@ def for_worker(model, kv_caches: list[torch.Tensor], config) -> DecodeGraphs | N
     """The worker's decode graphs, or None (logged) when they are off or cannot run."""
     if config.enforce_eager or not str(config.device).startswith("cuda"):
         return None
-    reason = unsupported_reason(model, kv_caches)
     sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
+    scratch = scratch_indices(config)
+    reason = unsupported_reason(model, kv_caches, max(sizes, default=None)) or scratch_reason(kv_caches, scratch)
     if reason is None and not sizes:
         reason = f"no cuda_graph_batch_sizes <= max_num_seqs={config.max_num_seqs}"
     if reason is not None:
@@ -236,7 +305,7 @@ def for_worker(model, kv_caches: list[torch.Tensor], config) -> DecodeGraphs | N
     for compile_layers in ([True, False] if fusion.layers_enabled() else [False]):
         try:
             graphs = DecodeGraphs(model, kv_caches, config.block_size, config.max_model_len, sizes,
-                                  compile_layers=compile_layers)
+                                  compile_layers=compile_layers, scratch=scratch)
         except Exception as e:  # serve eagerly rather than not at all
             log.error("cuda_graph_capture_failed", compiled_layers=compile_layers, error=f"{type(e).__name__}: {e}"[:500])
             continue

@@ -17,9 +17,7 @@ recurrences; the causal conv, the gates' projections and the output norm stay in
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +28,7 @@ from ..log import get_logger
 from ..parallel import TPGroup
 from .attention import AttnMetadata
 from .fusion import fused
+from .kda_ops import fla_available, fla_decode, fla_kda, write_rows
 from .layers import ColumnParallelLinear, KeepFloat32, ReplicatedLinear, RowParallelLinear, frozen
 
 log = get_logger("kda")
@@ -40,13 +39,6 @@ L2_EPS = 1e-6  # x / sqrt(sum x^2 + eps), FLA's l2norm, which transformers and v
 # rms_norm_eps says (transformers uses rms_norm_eps): the serving engine is the spec.
 O_NORM_EPS = 1e-5
 SOFTPLUS_THRESHOLD = 20.0
-
-try:  # Triton comes with CUDA builds of torch; CPU installs run without it.
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
 
 @dataclass
 class KDAState:
@@ -143,45 +135,6 @@ def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return out, state
 
 
-# ---- FLA (CUDA) -------------------------------------------------------------------------------
-
-@functools.cache
-def fla_kda() -> SimpleNamespace | None:
-    """FLA's KDA kernels, or None where fla-core is not installed (or does not import)."""
-    try:
-        from fla.ops.kda import chunk_kda
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    except ImportError:
-        return None
-    except Exception as e:  # a broken install must not take the torch path down with it
-        log.warning("fla_import_failed", error=repr(e))
-        return None
-    return SimpleNamespace(chunk_kda=chunk_kda, fused_recurrent_kda_fwd=fused_recurrent_kda_fwd)
-
-
-if triton is not None:
-    @triton.jit
-    def _zero_fresh_rows_kernel(state, rows, positions, row_stride, row_numel, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        if tl.load(positions + i) == 0:
-            row = tl.load(rows + i).to(tl.int64)
-            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            tl.store(state + row * row_stride + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < row_numel)
-
-
-def zero_fresh_rows(recurrent: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
-    """Zero the recurrent rows of the batch entries at position 0, deciding on the device.
-
-    FLA's in-place recurrent kernel reads and writes the same row, so a sequence that starts in
-    a decode-shaped step must find zeros there; a gather/where/scatter in torch would move every
-    row of the batch twice for the rare fresh one, and the host lists cannot tell which (a CUDA
-    graph is captured once for every batch)."""
-    numel = recurrent[0].numel()
-    block = 1024
-    _zero_fresh_rows_kernel[(rows.shape[0], triton.cdiv(numel, block))](
-        recurrent, rows, positions, recurrent.stride(0), numel, BLOCK=block)
-
-
 # ---- the layer --------------------------------------------------------------------------------
 
 class ConvWeight(nn.Module):
@@ -249,7 +202,6 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> torch.Tensor:
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
-        n = len(meta.query_lens)
         if state is None and any(p != 0 for p in meta.start_positions):
             raise ValueError("without a KDA state cache every chunk must start at position 0")
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # pre-conv q|k|v
@@ -260,10 +212,12 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
 
         core = x.new_empty(t, heads, d)
         if state is None:
-            prefills = list(range(n))  # cache-less: one-token chunks too start from zeros
+            prefills = list(range(len(meta.query_lens)))  # cache-less: one-token chunks too start from zeros
         else:
             prefills = meta.prefill_chunks
-            if len(prefills) < n:
+            # A device shape, not len(meta.query_lens): a compiled layer would guard on that list's
+            # length and compile once per captured batch size.
+            if meta.decode_token_idx.shape[0] > 0:
                 self._decode(mixed, raw_g, raw_beta, meta, state, core, use_fla)
         if prefills:
             self._prefill(prefills, mixed, raw_g, raw_beta, meta, state, core, use_fla)
@@ -273,7 +227,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
     def _use_fla(self, x: torch.Tensor) -> bool:
         if self.backend == "torch" or not x.is_cuda:
             return False
-        if fla_kda() is None:
+        if not fla_available():
             if self.backend == "fla":
                 raise RuntimeError("KDA backend 'fla' asked for, but fla (fla-core) does not import")
             return False
@@ -304,7 +258,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         hist = state.conv.index_select(0, rows)
         hist = torch.where(fresh, torch.zeros((), dtype=hist.dtype, device=hist.device), hist)
         window = torch.cat([hist, mixed.index_select(0, idx).unsqueeze(-1).to(hist.dtype)], dim=-1)
-        state.conv.index_copy_(0, rows, window[..., 1:])
+        write_rows(state.conv, rows, window[..., 1:])
         qkv = F.silu((window.float() * self._conv_weight().float()).sum(-1)).to(mixed.dtype)
         g_raw = raw_g.index_select(0, idx)
         beta_raw = raw_beta.index_select(0, idx)
@@ -314,15 +268,10 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
             rec = state.recurrent
             if rec.dtype != torch.float32 or rec.stride()[1:] != (d * d, d, 1):
                 raise ValueError("FLA's KDA kernels need float32 recurrent rows, contiguous within a row")
-            zero_fresh_rows(rec, rows, positions)
-            q, k, v = (part.contiguous().view(b, 1, heads, d) for part in qkv.view(b, 3, heads * d).unbind(1))
-            o, _ = fla_kda().fused_recurrent_kda_fwd(
-                q=q, k=k, v=v, g=g_raw.contiguous().view(b, 1, heads, d),
-                beta=beta_raw.contiguous().view(b, 1, heads), A_log=self.A_log, dt_bias=self.dt_bias,
-                scale=d ** -0.5, initial_state=rec, inplace_final_state=True, ssm_state_indices=rows,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                lower_bound=self.lower_bound)
-            core.index_copy_(0, idx, o.view(b, heads, d).to(core.dtype))
+            q, k, v = (part.view(b, heads, d) for part in qkv.view(b, 3, heads * d).unbind(1))
+            o = fla_decode(q, k, v, g_raw.view(b, heads, d), beta_raw.view(b, heads), self.A_log, self.dt_bias,
+                           rec, rows, positions, d ** -0.5, self.lower_bound)
+            core.index_copy_(0, idx, o.to(core.dtype))
             return
 
         q, k, v = split_heads(qkv, heads, d)
@@ -331,7 +280,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         s0 = state.recurrent.index_select(0, rows)
         s0 = torch.where(fresh.unsqueeze(-1), torch.zeros((), dtype=s0.dtype, device=s0.device), s0)
         o, s1 = recurrent_step(q, k, v, g, beta, s0)
-        state.recurrent.index_copy_(0, rows, s1.to(state.recurrent.dtype))
+        write_rows(state.recurrent, rows, s1)
         # Rounded to the model dtype before the norm, as transformers and vLLM (and FLA's output) do.
         core.index_copy_(0, idx, o.to(core.dtype))
 
