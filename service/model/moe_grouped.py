@@ -41,12 +41,13 @@ if triton is not None:
 # Rows: (up to this many pairs per expert, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
 # Retune with bench/moe_grouped.py --sweep; LATENTSERVE_MOE_GROUPED_CONFIG="16,64,128,4,4"
 # overrides the table.
+# Decode rows: 64-wide K steps in 4 stages keep 2-3 programs per SM, so one program's start
+# (its block's rows and expert) hides behind another's stream.
 CONFIGS: list[tuple[float, int, int, int, int, int]] = [
-    (4, 16, 64, 128, 4, 4),     # small: M <= 32 (64 experts, top 8)
-    (12, 16, 64, 128, 4, 4),    # M ~ 64: ~8 rows per expert
-    (24, 32, 64, 128, 4, 4),    # M ~ 128
-    (64, 64, 64, 64, 4, 4),     # M ~ 256-512
-    (float("inf"), 128, 128, 64, 8, 3),  # prefill
+    (12, 16, 64, 64, 4, 4),   # the small preset (64 experts, top 8) up to M ~ 96: ~8 rows per expert at 64
+    (24, 32, 64, 64, 4, 4),   # M ~ 128
+    (64, 64, 64, 64, 4, 4),   # M ~ 256-512: wgmma-sized row blocks
+    (float("inf"), 128, 64, 64, 8, 4),  # prefill: compute-bound
 ]
 
 
@@ -62,7 +63,7 @@ def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: str) ->
     on_device = x.is_cuda or (INTERPRET and x.dtype == torch.float16)
     return (triton is not None and on_device and enabled() and act in ACTS
             and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == x.dtype == w2.dtype
-            and x.dim() == 2 and x.shape[0] > 0 and w13.stride(-1) == 1 and w2.stride(-1) == 1)
+            and x.dim() == 2 and w13.stride(-1) == 1 and w2.stride(-1) == 1)
 
 
 def config(tokens: int, top_k: int, num_experts: int) -> dict:
@@ -106,7 +107,7 @@ if triton is not None:
             p = p0 + c
             valid = p < num_pairs
             ids = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
-            base = tl.load(scratch_ptr + ids, mask=valid, other=0)
+            base = tl.load(scratch_ptr + ids, mask=valid, other=0, volatile=True)  # after the barrier, never hoisted
             earlier = (ids[:, None] == ids[None, :]) & (c[None, :] < c[:, None]) & valid[None, :]
             rank = tl.sum(earlier.to(tl.int32), 1)
             tl.store(sorted_ptr + base + rank, p, mask=valid)
@@ -245,7 +246,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     # CHUNK^2 compares per chunk for the ranks; [E_PAD, PAD_J] padding stores per step.
     _align_kernel[(1,)](ids.contiguous().view(-1), sorted_pairs, block_expert, used, scratch, num_pairs,
                         E_PAD=e_pad, BLOCK_M=block_m, CHUNK=128, PAD_J=max(1, min(block_m, 4096 // e_pad)),
-                        num_warps=8)
+                        num_warps=8, num_stages=1)  # no software pipelining across the barriers
     return sorted_pairs, block_expert, used
 
 
