@@ -10,6 +10,7 @@ with TRITON_INTERPRET=1 the same kernels run on host memory (CPU CI exercises th
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -123,3 +124,95 @@ def test_lost_peer_and_lost_flags_end_in_a_bounded_timeout_then_rearm_serves():
             run_all(ranks, xs, gather=False)
     finally:
         close(groups, ranks)
+
+
+# ---- one process per rank on one GPU (cuMem FDs over Unix sockets), graphs and a lost peer ----
+
+def _inputs(rank: int, step: int, m: int, width: int, dtype, dev):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(m, width, generator=g).to(dtype).to(dev)
+
+
+def _proc_worker(rank, world_size, port, out_dir):
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+
+    from service.parallel import TPGroup
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    result = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        tp = TPGroup(rank, world_size, dist.group.WORLD)
+        comm = DeviceCollectives.create(
+            rank, world_size, max_tokens=MAX_TOKENS, widths={torch.bfloat16: HIDDEN, torch.float32: VOCAB_SHARD},
+            state_alloc=lambda n, s, d: torch.zeros(s, dtype=d, device=dev), group_name=f"dcprocs-{port}",
+            deadline_s=2.0, barrier=tp.barrier, device=dev)
+        outs = []
+        for step, (dtype, m, width, gather) in enumerate([
+                (torch.bfloat16, 1, HIDDEN, False), (torch.float32, 3, VOCAB_SHARD, True),
+                (torch.bfloat16, MAX_TOKENS, HIDDEN, False), (torch.float32, MAX_TOKENS, VOCAB_SHARD, True)]):
+            xs = [_inputs(r, step, m, width, dtype, dev) for r in range(world_size)]
+            out = comm.all_gather(xs[rank]) if gather else comm.all_reduce(xs[rank])
+            want = torch.cat(xs, dim=-1) if gather else reference_sum(xs)
+            result[f"eager{step}"] = torch.equal(out, want)
+            outs.append(out.cpu())
+        # In a CUDA graph: captured once, replayed on new inputs; err read after the replays.
+        x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16, device=dev)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            comm.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            y = comm.all_reduce(x)
+        for step in range(10, 13):
+            xs = [_inputs(r, step, 4, HIDDEN, torch.bfloat16, dev) for r in range(world_size)]
+            x.copy_(xs[rank])
+            graph.replay()
+            comm.check()
+            result[f"graph{step}"] = torch.equal(y, reference_sum(xs))
+            outs.append(y.cpu())
+        result["outs"] = outs
+        torch.cuda.synchronize()
+        tp.barrier()
+        if rank == 1:  # the lost peer: gone without a word
+            torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+            os._exit(0)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(x)
+            result["timeout"] = "no error"
+        except DeviceCommTimeout as e:
+            result["timeout"] = str(e)
+        result["elapsed"] = time.monotonic() - t0
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_processes_on_one_gpu_bitwise_sums_graphs_and_a_lost_peer(tmp_path):
+    import torch.multiprocessing as mp
+
+    from service.net import free_port
+
+    ctx = mp.start_processes(_proc_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn",
+                             join=False)
+    ctx.join(timeout=300)
+    res = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)}
+    for r, x in res.items():
+        assert "error" not in x, f"rank {r}:\n{x['error']}"
+        bad = [k for k, v in x.items() if (k.startswith("eager") or k.startswith("graph")) and v is not True]
+        assert not bad, f"rank {r}: not the bits of the torch result at {bad}"
+    for a, b in zip(res[0]["outs"], res[1]["outs"]):
+        assert torch.equal(a, b), "the ranks' results differ"
+    assert "peers [1]" in res[0]["timeout"], res[0]["timeout"]
+    assert res[0]["elapsed"] < 2.0 + 10, f"the lost peer took {res[0]['elapsed']:.1f}s to report"

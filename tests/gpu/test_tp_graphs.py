@@ -1,0 +1,103 @@
+"""TP 2 decode in CUDA graphs: two rank processes (the `mp` executor) on one GPU.
+
+The ranks' collectives inside the graphs are the device all-reduce/all-gather
+(service/tail/device_comm.py) and the Triton fused tail (`tiny` is a latent-MoE model), their
+comm regions mapped through cuMem FDs. Greedy tokens with graphs equal TP 2 eager and TP 1 (as
+test_engine_cuda's greedy test: divergences only where the reference's margin is below the
+run's noise); a level-1 and a level-2 sleep cycle keep tokens and graphs; zeroed tail flags fail
+the step fast inside a replay and the ranks re-arm and serve on. Two processes time-slice one GPU
+(each wait on a peer costs a slice), so steps are slow: the test keeps them few.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from test_engine_cuda import GREEDY, OVERRIDES, PROMPTS, compare, generate, tokens  # noqa: E402
+
+from service import LLM  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+DEADLINE_S = 5.0
+
+
+def make_llm(tp: int, **kw) -> LLM:
+    backend = "mp" if tp > 1 else "uni"
+    return LLM(model="tiny", hf_overrides=OVERRIDES, dtype="bfloat16", device="cuda", seed=0,
+               tensor_parallel_size=tp, distributed_executor_backend=backend, tail_deadline_s=DEADLINE_S, **kw)
+
+
+def graph_stats(llm: LLM) -> list[dict]:
+    return llm.collective_rpc("graph_stats")
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    llm = make_llm(2, enable_sleep_mode=True, sleep_preserve_parameter_names=["*"])
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2_graph_outputs(tp2):
+    before = [s["graphs"]["replays"] for s in graph_stats(tp2)]
+    outs = generate(tp2)
+    stats = graph_stats(tp2)
+    assert all(s["graphs"] is not None for s in stats), "TP 2 on CUDA captured no graphs"
+    assert all(s["graphs"]["replays"] > b for s, b in zip(stats, before)), "no replay on some rank"
+    assert all(s["device_comm"]["calls"] > 0 for s in stats), "the device collectives never ran"
+    return outs
+
+
+def test_tp2_graphs_equal_tp2_eager_and_tp1(tp2_graph_outputs):
+    ours = tp2_graph_outputs
+    eager = make_llm(2, enforce_eager=True)
+    try:
+        assert all(s["graphs"] is None for s in graph_stats(eager))
+        ref_eager = generate(eager)
+    finally:
+        eager.shutdown()
+    one = make_llm(1)
+    try:
+        ref_one = generate(one)
+    finally:
+        one.shutdown()
+    for name, ref in (("TP 2 eager", ref_eager), ("TP 1", ref_one)):
+        r = compare(ref, ours, floor=1e-2)
+        assert r["noise"] <= 0.5, f"vs {name}: logprob noise {r['noise']:.3g}"
+        assert not r["unexplained"], f"vs {name}: divergences at clear margins: {r}"
+
+
+def test_sleep_levels_keep_tokens_and_graphs(tp2, tp2_graph_outputs):
+    base = tokens(tp2_graph_outputs)
+    ids = [s["graphs"]["graph_ids"] for s in graph_stats(tp2)]
+    ptrs = tp2.collective_rpc("data_ptrs")
+    for level in (1, 2):
+        before = [s["graphs"]["replays"] for s in graph_stats(tp2)]
+        tp2.sleep(level)
+        tp2.wake_up()
+        assert tokens(generate(tp2)) == base, f"tokens changed after a level-{level} cycle"
+        stats = graph_stats(tp2)
+        assert [s["graphs"]["graph_ids"] for s in stats] == ids, f"graphs recaptured after level {level}"
+        assert all(s["graphs"]["replays"] > b for s, b in zip(stats, before)), f"no replay after level {level}"
+        assert tp2.collective_rpc("data_ptrs") == ptrs, f"pool addresses moved after level {level}"
+
+
+def test_zeroed_tail_flags_fail_inside_a_replay_then_serve_again(tp2, tp2_graph_outputs):
+    base = tokens(tp2_graph_outputs)
+    tp2.collective_rpc("zero_tail_flags")
+    t0 = time.monotonic()
+    outs = tp2.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, timeout=180)
+    elapsed = time.monotonic() - t0
+    errors = [o.error for o in outs if o.error]
+    assert errors, "zeroed flags gave no error inside the graphs"
+    assert "TailTimeout" in errors[0] or "deadline" in errors[0] or "after" in errors[0], errors[0]
+    assert elapsed < 2 * DEADLINE_S + 60, f"the failure took {elapsed:.1f}s"
+    assert tokens(generate(tp2)) == base, "after the re-arm the graphs serve the same tokens"
