@@ -24,6 +24,10 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
   experts), decode eagerly (KDA's state rows are not in the graphs yet) against its floor:
   weights as above, MLA KV of the MLA layers only, and each KDA layer's state rows read and
   written once per sequence.
+- k3graphs: a Kimi-K3-structured model at the `small` preset's widths (K3_SMALL: 24 layers, 18
+  KDA + 6 MLA, 16 KDA heads of 128, latent MoE 1024 with 64 experts top 8, SiTU, attention
+  residuals; ~8.5 GB bf16), decode through the CUDA graphs and eagerly at batches up to 64, with
+  the speedup, against the same floor as k3.
 
 Random weights are drawn on the GPU (the engine's TP-invariant CPU init would take minutes).
 """
@@ -56,6 +60,15 @@ PLAIN = {"moe_latent_size": None}  # small as plain DeepSeek-V3: 7.4 GB, loadabl
 K3_BENCH = {"num_hidden_layers": 8, "n_routed_experts": 32, "linear_attn_config": {
     "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 96, "head_dim": 128,
     "short_conv_kernel_size": 4, "use_full_rank_gate": True}}
+# Kimi-K3's structure (the `k3` preset: KDA + MLA 3:1, MLA NoPE with output gate, full-rank KDA
+# gate, SiTU, latent MoE, attention residuals) at the `small` preset's widths.
+K3_SMALL = {"vocab_size": 32768, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 768, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+            "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_intermediate_size": 768, "moe_latent_size": 1024,
+            "max_position_embeddings": 8192, "linear_attn_config": {
+                "kda_layers": [n for n in range(1, 25) if n % 4], "full_attn_layers": list(range(4, 25, 4)),
+                "num_heads": 16, "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": True}}
 RESULTS: dict = {}
 
 
@@ -219,6 +232,39 @@ def bench_k3(args, bw: float) -> None:
         rows.append(row)
         log(f"k3 decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
     RESULTS["k3"] = {"overrides": K3_BENCH, "graphs": str(worker.decode_graphs), "decode": rows}
+    llm.shutdown()
+
+
+def bench_k3_graphs(args, bw: float) -> None:
+    """K3_SMALL: decode step through the CUDA graphs and eagerly, same engine, same steps."""
+    batches = [b for b in args.batches if b <= 64]
+    llm = make_llm(args.device, K3_SMALL, "k3", max_num_seqs=max(batches), cuda_graph_batch_sizes=batches,
+                   kv_cache_memory_bytes=2 * GIB)
+    fill_caches(llm)
+    worker, rows = llm.executor.rank0, []
+    graphs = worker.decode_graphs
+    nan = float("nan")
+    for batch in batches:
+        chunks = decode_chunks(batch, args.context, llm.config.block_size)
+        floor = step_floor_bytes(worker, chunks)
+        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        plan = StepPlan(chunks)
+        with torch.inference_mode():
+            graph_ms = nan
+            if graphs is not None:
+                worker.execute(plan)
+                graph_ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+            worker.decode_graphs = None
+            try:
+                worker.execute(plan)
+                eager_ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
+            finally:
+                worker.decode_graphs = graphs
+        row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": graph_ms, "eager_ms": eager_ms,
+               "speedup": eager_ms / graph_ms, "floor_fraction": need / bw * 1e3 / min(graph_ms, eager_ms)}
+        rows.append(row)
+        log(f"k3-small decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
+    RESULTS["k3graphs"] = {"overrides": K3_SMALL, "graphs": graphs.stats() if graphs else "off", "decode": rows}
     llm.shutdown()
 
 
@@ -523,6 +569,15 @@ def print_table(args, bw: float) -> None:
         for r in k3["decode"]:
             print(f"  batch {r['batch']:4d}: floor {r['floor_ms']:.3f} ms, eager {r['eager_ms']:.3f} ms, "
                   f"floor/step {r['floor_fraction']:.3f}, {r['bytes'] / 1e9:.2f} GB read")
+    k3g = RESULTS.get("k3graphs")
+    if k3g:
+        stats = k3g["graphs"]
+        compiled = stats.get("compiled_layers") if isinstance(stats, dict) else stats
+        print(f"Kimi-K3 structure at small widths (K3_SMALL: 24 layers, 18 KDA + 6 MLA), ctx {args.context}, "
+              f"graphs vs eager; compiled layers {compiled}:")
+        for r in k3g["decode"]:
+            print(f"  batch {r['batch']:4d}: floor {r['floor_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms, eager "
+                  f"{r['eager_ms']:.3f} ms, speedup {r['speedup']:.2f}x, floor/step {r['floor_fraction']:.3f}")
     for name, err in RESULTS.get("errors", {}).items():
         print(f"section {name} FAILED: {err.strip().splitlines()[-1]}")
 
@@ -558,7 +613,7 @@ def main() -> None:
     ap.add_argument("--hf-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sleep-cycles", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,k3,tail")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,k3,k3graphs,tail")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -581,6 +636,8 @@ def main() -> None:
         llm.shutdown()
     if "k3" not in skip:
         section("k3", bench_k3, args, bw)
+    if "k3graphs" not in skip:
+        section("k3graphs", bench_k3_graphs, args, bw)
     print_table(args, bw)
     if args.json:
         with open(args.json, "w") as f:
