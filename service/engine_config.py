@@ -13,6 +13,12 @@ from .weights import fp8
 from .weights.specs import check_fp8_layout
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Largest batch the fused MoE tail takes (above it, the unfused path). CPU: it wins up to 64+
+# tokens (bench/RESULTS.md, bench/tail.py). H200 (bench/tail.py --device cuda, virtual ranks, bf16,
+# 2026-12-02): the fused tail matches the unfused path's compute alone up to M = 8 and costs
+# ~1 us more per token above, so with the two all-reduces it saves (10-20 us each) it wins to ~16.
+CPU_FUSED_TAIL_MAX_TOKENS = 64
+GPU_FUSED_TAIL_MAX_TOKENS = 16
 
 
 @dataclass
@@ -37,7 +43,8 @@ class EngineConfig:
     poison_discarded: bool = False
     # fused MoE tail
     fused_tail: str = "auto"
-    fused_tail_max_tokens: int = 64
+    # None: the measured crossover of the device (GPU_/CPU_FUSED_TAIL_MAX_TOKENS, set by resolve())
+    fused_tail_max_tokens: int | None = None
     tail_deadline_s: float = 10.0
     # KV cache and batching
     block_size: int = 16
@@ -76,7 +83,11 @@ class EngineConfig:
         max_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-        return dataclasses.replace(self, model_config=cfg, checkpoint_dir=ckpt, max_model_len=max_len)
+        tail_tokens = self.fused_tail_max_tokens
+        if tail_tokens is None:
+            tail_tokens = GPU_FUSED_TAIL_MAX_TOKENS if self.device.startswith("cuda") else CPU_FUSED_TAIL_MAX_TOKENS
+        return dataclasses.replace(self, model_config=cfg, checkpoint_dir=ckpt, max_model_len=max_len,
+                                   fused_tail_max_tokens=tail_tokens)
 
     @property
     def process_group_backend(self) -> str:
