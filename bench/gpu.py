@@ -18,6 +18,10 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
   the protocol of scripts/anchors/decode_bench.py (full run minus a prefill-only run).
 - sleep: the decode model's own level-1 offload/restore against a pinned copy of the same
   bytes (bench/sleep.py's reference), then level-2 weights wake in ms per GiB mapped.
+- prefill: one eager prefill step of 8 x 1024 tokens on the decode model, FLOPs counted from
+  the config (bench/prefill_flops.py: projections, the experts each token chose, causal
+  attention) over its time, against a bf16 8192^3 torch.matmul timed in the same run; profiler
+  table and device time by kernel kind.
 - tail: bench/tail.py's CUDA section at TP 2 (virtual ranks), when the Triton tail exists.
 - k3: Kimi-K3 with its real layer shapes (hidden 7168, 96 KDA heads of 128, MLA with output
   gate, latent MoE 3584, SiTU, attention residuals) cut to fit one GPU (K3_BENCH: 8 layers, 32
@@ -387,6 +391,91 @@ def bench_decode(args, bw: float) -> LLM:
     return llm
 
 
+# ---- prefill vs the matmul rate ------------------------------------------------------------------
+
+def matmul_rate(device: str, n: int, repeat: int = 7) -> float:
+    """bf16 FLOP/s of one large torch.matmul (n x n x n), median of `repeat` timings of 5 calls."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    fn = partial(torch.matmul, a, b)
+    timed(fn, device, 3)  # warm-up: cuBLAS handle and heuristics
+    return 2 * n ** 3 / statistics.median(timed(fn, device, 5) for _ in range(repeat))
+
+
+def kernel_kind(name: str) -> str:
+    """What a prefill kernel does, from its name: matmuls, attention, the MoE's own kernels, the rest."""
+    s = name.lower()
+    if any(k in s for k in ("flash", "fmha", "attention", "attn")):
+        return "attention"
+    if any(k in s for k in ("moe", "grouped", "expert")):
+        return "moe"
+    if any(k in s for k in ("gemm", "gemv", "matmul", "xmma", "cutlass", "sm90_", "cublas")):
+        return "gemm"
+    return "other"
+
+
+def profile_prefill(worker, plan, device: str, top: int = 15) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        worker.execute(plan)
+        sync(device)
+    kinds: dict[str, float] = {}
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    for e in events:
+        kind = kernel_kind(e.name)
+        kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / 1e3
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=70)
+    return {"kernels": len(events), "device_ms": sum(kinds.values()), "ms_by_kind": kinds, "table": table}
+
+
+def bench_prefill(args) -> None:
+    """One eager prefill step of --prefill-seqs x --prefill-len tokens from position 0 (the
+    engine's prefill path: a step with prefill chunks never replays a decode graph): FLOPs counted
+    from the config (bench/prefill_flops.py) over the step's time, against a large bf16 matmul
+    timed in the same run (issue 12's target: >= 0.40)."""
+    from prefill_flops import prefill_flops
+
+    cuda = args.device.startswith("cuda")
+    seqs, length = args.prefill_seqs, args.prefill_len
+    llm = make_llm(args.device, MID, args.preset, max_num_seqs=seqs, max_num_batched_tokens=seqs * length,
+                   max_model_len=max(length + 1, 256), kv_cache_memory_bytes=GIB, enforce_eager=True)
+    worker, cfg = llm.executor.rank0, llm.config.model_config
+    per = -(-length // llm.config.block_size)
+    plan = StepPlan([SeqChunk(i, [5 + (31 * i + 7 * j) % (cfg.vocab_size - 5) for j in range(length)], 0,
+                              list(range(i * per, (i + 1) * per)), state_slot=i) for i in range(seqs)])
+    flops = prefill_flops(cfg, [length] * seqs)
+    total = sum(flops.values())
+    with torch.inference_mode():
+        timed(partial(worker.execute, plan), args.device, 2)  # warm-up
+        ms = statistics.median(timed(partial(worker.execute, plan), args.device, 3) for _ in range(5)) * 1e3
+        prof = profile_prefill(worker, plan, args.device)
+    llm.shutdown()
+    n = 8192 if cuda else 512
+    rate = matmul_rate(args.device, n)
+    achieved = total / (ms / 1e3)
+    res = {"seqs": seqs, "len": length, "layers": cfg.num_hidden_layers, "step_ms": ms, "flops": total,
+           "flops_by_part": flops, "achieved_tflops": achieved / 1e12, "matmul_n": n, "matmul_tflops": rate / 1e12,
+           "ratio": achieved / rate, "profile_kernels": prof["kernels"], "profile_device_ms": prof["device_ms"],
+           "profile_ms_by_kind": prof["ms_by_kind"]}
+    RESULTS["prefill"] = res
+    print(f"prefill step {seqs} x {length}: {prof['kernels']} GPU kernels/copies, {prof['device_ms']:.2f} ms of "
+          f"device time; by kind (ms): { {k: round(v, 2) for k, v in prof['ms_by_kind'].items()} }\n{prof['table']}",
+          flush=True)
+    log(f"prefill: { {k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()} }")
+
+
+def print_prefill() -> None:
+    p = RESULTS.get("prefill")
+    if not p:
+        return
+    print(f"prefill {p['seqs']} x {p['len']} tokens ({p['layers']} layers, eager): {p['step_ms']:.1f} ms, "
+          f"{p['flops'] / 1e12:.2f} TFLOP -> {p['achieved_tflops']:.0f} TFLOP/s; bf16 matmul {p['matmul_n']}^3: "
+          f"{p['matmul_tflops']:.0f} TFLOP/s; achieved / matmul = {p['ratio']:.3f} (target >= 0.40)")
+    print("  TFLOP by part: " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in p["flops_by_part"].items()))
+    print(f"  device time by kernel kind (ms, of {p['profile_device_ms']:.1f}): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["profile_ms_by_kind"].items(), key=lambda kv: -kv[1])))
+
+
 # ---- throughput vs transformers ----------------------------------------------------------------
 
 @torch.no_grad()
@@ -578,6 +667,7 @@ def print_table(args, bw: float) -> None:
         for r in k3g["decode"]:
             print(f"  batch {r['batch']:4d}: floor {r['floor_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms, eager "
                   f"{r['eager_ms']:.3f} ms, speedup {r['speedup']:.2f}x, floor/step {r['floor_fraction']:.3f}")
+    print_prefill()
     for name, err in RESULTS.get("errors", {}).items():
         print(f"section {name} FAILED: {err.strip().splitlines()[-1]}")
 
@@ -613,7 +703,9 @@ def main() -> None:
     ap.add_argument("--hf-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sleep-cycles", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,k3,k3graphs,tail")
+    ap.add_argument("--prefill-seqs", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,k3,k3graphs,prefill,tail")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -638,6 +730,8 @@ def main() -> None:
         section("k3", bench_k3, args, bw)
     if "k3graphs" not in skip:
         section("k3graphs", bench_k3_graphs, args, bw)
+    if "prefill" not in skip:
+        section("prefill", bench_prefill, args)
     print_table(args, bw)
     if args.json:
         with open(args.json, "w") as f:
