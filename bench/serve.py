@@ -290,6 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offline", action=argparse.BooleanOptionalAction, default=None,
                    help="the same engine offline for the HTTP/offline ratio (default: on with CUDA)")
     p.add_argument("--json")
+    p.add_argument("--server-log", help="the server's log file (default: a temporary file)")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     for key, value in (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).items():
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         url, key = args.url, args.admin_key
     else:
         log(f"starting {args.model} TP {args.tp} on {args.device}: {' '.join(argv_serve)}")
-        server, seconds = start_healthy(argv_serve)
+        server, seconds = start_healthy(argv_serve, log_path=args.server_log)
         log(f"ready in {seconds:.1f} s (log {server.log_path})")
         url, key = server.url, server.admin_key
     loads, overhead = [], {}
