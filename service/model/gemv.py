@@ -30,7 +30,8 @@ from ..log import get_logger
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 log = get_logger("gemv")
-_verified = False
+_verified: set[str] = set()  # ops that ran once in this process
+ACTS = {"silu": 0, "situ": 1}
 _failure: str | None = None  # why the kernel is off for good in this process
 
 
@@ -48,19 +49,21 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1])
 
 
-def run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The GEMV, or None when its first call in this process fails (a Triton build or launch
-    error on this GPU): it is then off for good (logged) and callers use cuBLAS."""
-    global _verified, _failure
-    if _verified or torch.compiler.is_compiling():
-        return torch.ops.latentserve.gemv(x, weight)
+def run(op, *args) -> torch.Tensor | None:
+    """op(*args) (`gemv` or `gated_gemv`), or None when a first call in this process fails (a
+    Triton build or launch error on this GPU): the kernels are then off for good (logged) and
+    callers use cuBLAS."""
+    global _failure
+    name = str(op)
+    if name in _verified or torch.compiler.is_compiling():
+        return op(*args)
     try:
-        out = torch.ops.latentserve.gemv(x, weight)
+        out = op(*args)
     except Exception as e:  # noqa: BLE001 - any build/launch failure of the first call
-        _failure = f"{type(e).__name__}: {e}"[:500]
+        _failure = f"{name}: {type(e).__name__}: {e}"[:500]
         log.error("gemv_off", error=_failure)
         return None
-    _verified = True
+    _verified.add(name)
     return out
 
 
@@ -104,6 +107,45 @@ if triton is not None:
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
+    @triton.jit
+    def _tanh(y):
+        return 2.0 * tl.sigmoid(2.0 * y) - 1.0
+
+    @triton.jit
+    def _gated_gemv_kernel(x_ptr, w_ptr, h_ptr, M, INTER, K, stride_x, stride_w, stride_h, beta, linear_beta,
+                           ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """h = act(x @ gate^T) * (x @ up^T) for W = [gate rows; up rows]: the MLP's first half
+        and its activation in one pass over W. Roundings as layers.act_and_mul after a GEMM."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        nmask = n < INTER
+        mmask = m < M
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        rows = w_ptr + n[:, None].to(tl.int64) * stride_w
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            wmask = nmask[:, None] & kmask[None, :]
+            wg = tl.load(rows + k[None, :], mask=wmask, other=0.0).to(tl.float32)
+            wu = tl.load(rows + INTER * stride_w + k[None, :], mask=wmask, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)
+            acc_g += tl.sum(xv[:, None, :] * wg[None, :, :], 2)
+            acc_u += tl.sum(xv[:, None, :] * wu[None, :, :], 2)
+        dtype = h_ptr.dtype.element_ty
+        g = acc_g.to(dtype).to(tl.float32)
+        u = acc_u.to(dtype).to(tl.float32)
+        if ACT == 0:  # F.silu(gate) * up in the activation dtype
+            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+        else:  # SiTU in fp32, the up input soft-clipped when linear_beta is set
+            h = beta * _tanh(g / beta) * tl.sigmoid(g)
+            if CLIP_UP:
+                u = linear_beta * _tanh(u / linear_beta)
+            h = h * u
+        tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
+
     def config(m: int, n: int, k: int, sms: int) -> dict:
         """Launch shape for [m, k] x [n, k]^T; bench/gemv.py sweeps the alternatives."""
         bm = triton.next_power_of_2(m)
@@ -128,6 +170,32 @@ if triton is not None:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         launch(x2, weight, y, config(m, n, k, sm_count(x.device)))
         return y.view(*x.shape[:-1], n)
+
+    def _gated(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float, linear_beta: float | None):
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m, inter = x2.shape[0], weight.shape[0] // 2
+        h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+        # Two weight tiles per step: half the K block of a plain GEMV with the same registers.
+        cfg = config(m, inter, k, sm_count(x.device))
+        cfg["BLOCK_K"] = max(64, cfg["BLOCK_K"] // 2)
+        _gated_gemv_kernel[(triton.cdiv(inter, cfg["BLOCK_N"]),)](
+            x2, weight, h, m, inter, k, x2.stride(0), weight.stride(0), h.stride(0), float(beta),
+            float(linear_beta or 1.0), ACT=ACTS[act], CLIP_UP=linear_beta is not None,
+            BLOCK_M=triton.next_power_of_2(m), **cfg)
+        return h.view(*x.shape[:-1], inter)
+
+    @torch.library.custom_op("latentserve::gated_gemv", mutates_args=())
+    def gated_gemv(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float,
+                   linear_beta: float | None) -> torch.Tensor:
+        """x [..., K]; weight [2I, K] (gate rows, then up rows) -> act(gate) * up [..., I]."""
+        return _gated(x, weight, act, beta, linear_beta)
+
+    @gated_gemv.register_fake
+    def _(x, weight, act, beta, linear_beta):
+        return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
     @torch.library.custom_op("latentserve::gemv", mutates_args=())
     def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     if scale is not None:  # FP8 block-scaled (model/fp8.py)
         return fp8.linear_fp8(x, weight, scale)
     if gemv.supported(x, weight):  # decode-sized M on a GPU: bandwidth-shaped, not cuBLAS tiles
-        out = gemv.run(x, weight)
+        out = gemv.run(torch.ops.latentserve.gemv, x, weight)
         if out is not None:
             return out
     return F.linear(x, weight)
@@ -181,6 +181,14 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
     return (g * u).to(gate.dtype)
 
 
+def act_params(cfg: ModelConfig) -> tuple[str, float, float | None]:
+    """(hidden_act, SiTU beta, SiTU linear_beta) as the fused kernels take them."""
+    if cfg.hidden_act != "situ":
+        return cfg.hidden_act, 1.0, None
+    linear_beta = cfg.activation_situ_linear_beta
+    return "situ", float(cfg.activation_situ_beta or 1.0), float(linear_beta) if linear_beta is not None else None
+
+
 def act_and_mul(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The gated activation of every MLP and expert of a model (`hidden_act`)."""
     if cfg.hidden_act == "situ":
@@ -197,12 +205,18 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.act = act_and_mul(cfg)
+        self.act_name, self.act_beta, self.act_linear_beta = act_params(cfg)
         # Gate rows, then up rows (this rank's shard of each): one GEMM for both.
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * intermediate_size, tp, dtype)
         self.shard = intermediate_size // tp.world_size
         self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, tp, dtype)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        w = self.gate_up_proj.weight
+        if gemv.supported(x, w) and self.act_name in gemv.ACTS:  # decode: GEMV + activation, one kernel
+            h = gemv.run(torch.ops.latentserve.gated_gemv, x, w, self.act_name, self.act_beta, self.act_linear_beta)
+            if h is not None:
+                return self.down_proj(h, reduce=reduce)
         gate_up = self.gate_up_proj(x)
         return self.down_proj(self.act(gate_up[..., : self.shard], gate_up[..., self.shard:]), reduce=reduce)
 

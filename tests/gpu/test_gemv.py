@@ -7,6 +7,7 @@ Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -59,3 +60,33 @@ def test_linear_routes_by_rows(monkeypatch):
     assert not gemv.supported(torch.randn(1, 32).to(DEVICE), w)
     x = torch.randn(33, 32).to(DEVICE)  # above the limit: cuBLAS / torch
     torch.testing.assert_close(layers.linear(x, w), x @ w.t())
+
+
+@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0), ("situ", 4.0, None)])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_gemv_matches_act_and_mul(act, beta, linear_beta, m, dtype):
+    """The MLP's gate/up GEMV with the activation in its epilogue against the torch path
+    (`layers.act_and_mul` over cuBLAS/torch GEMM outputs) and a float64 reference."""
+    from service.config import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["k3-tiny"], hidden_act=act, activation_situ_beta=beta,
+                              activation_situ_linear_beta=linear_beta)
+    inter, k = 200, 96
+    g = torch.Generator().manual_seed(m + inter)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(2 * inter, k, generator=g) * 2 / k ** 0.5).to(DEVICE, dtype)
+    h = torch.ops.latentserve.gated_gemv(x, w, *layers.act_params(cfg))
+    gate_up = x @ w.t()
+    torch_path = layers.act_and_mul(cfg)(gate_up[:, :inter], gate_up[:, inter:])
+    gu = x.double() @ w.double().t()
+    gd, ud = gu[:, :inter], gu[:, inter:]
+    if act == "silu":
+        ref = torch.nn.functional.silu(gd) * ud
+    else:
+        ref = beta * torch.tanh(gd / beta) * torch.sigmoid(gd)
+        ref = ref * (linear_beta * torch.tanh(ud / linear_beta) if linear_beta else ud)
+    tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(h.double(), ref, atol=tol * 4, rtol=tol)
+    # The torch path rounds the same quantities in another order: a few bf16 ulps apart.
+    torch.testing.assert_close(h.double(), torch_path.double(), atol=tol * 4, rtol=tol * 4)
