@@ -56,6 +56,8 @@ import service.weights as weights  # noqa: E402
 import service.weights.checkpoint  # noqa: E402,F401
 from service import LLM, SamplingParams  # noqa: E402
 from service.engine.plan import SeqChunk, StepPlan  # noqa: E402
+from service.model.attention import AttnMetadata  # noqa: E402
+from service.weights import fp8  # noqa: E402
 
 GIB = 1 << 30
 MID = {"num_hidden_layers": 24}  # small x 2 layers: 8.2 GB bf16, latent MoE
@@ -87,12 +89,25 @@ def device_dummy_init(model, cfg, tp, seed: int = 0) -> None:
     """Stand-in for weights.init_dummy_weights: the same kinds of values, drawn on the device."""
     kinds = {s.param: s.kind for s in weights.weight_specs(cfg)}
     gen = torch.Generator(device=model.model.norm.weight.device).manual_seed(seed)
+    params = dict(model.named_parameters())
+    block = fp8.fp8_block(cfg)
     for name, p in model.named_parameters():
         kind = kinds.get(name, "matrix")
-        if kind == "norm":
+        if name.endswith(fp8.SCALE_SUFFIX):
+            continue  # written with its FP8 weight
+        if p.dtype == fp8.FP8:  # the bf16 build's draw (same generator order), quantized
+            w = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device).normal_(0.0, cfg.initializer_range,
+                                                                                     generator=gen)
+            scale = params[name + fp8.SCALE_SUFFIX]
+            q, sc = fp8.quantize(w, fp8.implied_block(tuple(p.shape), tuple(scale.shape)))
+            p.copy_(q)
+            scale.copy_(sc)
+        elif kind == "norm":
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.01 if kind == "bias" else cfg.initializer_range, generator=gen)
+            if block is not None and name.endswith(fp8.HELD_DEQUANTIZED):  # FP8 values, held in bf16
+                p.copy_(fp8.fake_quantize(p, block))
 
 
 def make_llm(device: str, overrides: dict, preset: str, **kw) -> LLM:
@@ -391,6 +406,48 @@ def bench_decode(args, bw: float) -> LLM:
     return llm
 
 
+# ---- FP8 weights ------------------------------------------------------------------------------
+
+FP8_PROMPT = [5 + (i * 37) % 1000 for i in range(64)]
+
+
+def prompt_logits(llm: LLM) -> torch.Tensor:
+    """fp32 logits [64, vocab] of a fixed 64-token prompt, cache-less forward of rank 0's model."""
+    worker = llm.executor.rank0
+    meta = AttnMetadata.build([SeqChunk(0, FP8_PROMPT, 0, [])], llm.config.block_size, worker.device)
+    with torch.inference_mode():
+        hidden = worker.model(torch.tensor(FP8_PROMPT, device=worker.device), meta, None)
+        return worker.model.compute_logits(hidden).float()
+
+
+def bench_fp8(args, bw: float, ref_logits: torch.Tensor | None) -> None:
+    """The same model with FP8 128x128 block-scaled weights (--quantization fp8 of the bf16
+    build's draw): decode graph ms per batch against its own floor (FP8 bytes read), and the
+    logits' max error against the bf16 build's."""
+    llm = decode_llm(args, quantization="fp8")
+    worker, rows = llm.executor.rank0, []
+    for batch in args.batches:
+        chunks = decode_chunks(batch, args.context, llm.config.block_size)
+        floor = step_floor_bytes(worker, chunks)
+        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        plan = StepPlan(chunks)
+        with torch.inference_mode():
+            worker.execute(plan)
+            ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+        rows.append({"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": ms,
+                     "floor_fraction": need / bw * 1e3 / ms, **floor})
+        log(f"fp8 decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()})}")
+    out = {"decode": rows, "graphs": worker.decode_graphs.stats() if worker.decode_graphs else "off"}
+    if ref_logits is not None:
+        ours = prompt_logits(llm)
+        out["max_logit_err"] = (ours - ref_logits).abs().max().item()
+        out["max_abs_logit"] = ref_logits.abs().max().item()
+        out["argmax_agree"] = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    RESULTS["fp8"] = out
+    llm.shutdown()
+    torch.cuda.empty_cache()
+
+
 # ---- prefill vs the matmul rate ------------------------------------------------------------------
 
 def matmul_rate(device: str, n: int, repeat: int = 7) -> float:
@@ -651,6 +708,17 @@ def print_table(args, bw: float) -> None:
               f"restore {s['restore_gbps']:.1f} / {s['ref_in_gbps']:.1f} = {s['restore_ratio']:.2f}")
         print(f"level 2 weights wake: {s['level2_wake_ms_per_gib']:.2f} ms/GiB "
               f"({s['level2_weights_mapped'] / GIB:.2f} GiB mapped)")
+    f8 = RESULTS.get("fp8")
+    if f8:
+        bf16 = {r["batch"]: r.get("graph_ms", nan) for r in RESULTS.get("decode", [])}
+        print(f"FP8 weights (128x128 blocks, W8A16 Triton GEMMs), decode graphs (ctx {args.context}); logits vs bf16: "
+              f"max error {f8.get('max_logit_err', nan):.4f} (max |logit| {f8.get('max_abs_logit', nan):.3f}), "
+              f"argmax agree {f8.get('argmax_agree', nan):.1%} of 64 positions")
+        for r in f8["decode"]:
+            b = bf16.get(r["batch"], nan)
+            print(f"  batch {r['batch']:4d}: FP8 floor {r['floor_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms, "
+                  f"floor/step {r['floor_fraction']:.3f}, {r['bytes'] / 1e9:.2f} GB read; bf16 graph {b:.3f} ms "
+                  f"-> FP8 {b / r['graph_ms']:.2f}x")
     k3 = RESULTS.get("k3")
     if k3:
         print(f"Kimi-K3 shapes, {K3_BENCH['num_hidden_layers']} layers (6 KDA + 2 MLA), "
@@ -705,7 +773,7 @@ def main() -> None:
     ap.add_argument("--sleep-cycles", type=int, default=3)
     ap.add_argument("--prefill-seqs", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=1024)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,k3,k3graphs,prefill,tail")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,fp8,k3,k3graphs,prefill,tail")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -720,12 +788,15 @@ def main() -> None:
     if "decode" not in skip or "sleep" not in skip:
         llm = section("decode", bench_decode, args, bw) if "decode" not in skip else make_llm(
             args.device, MID, args.preset, enable_sleep_mode=True)
+    ref_logits = section("fp8_ref", prompt_logits, llm) if llm is not None and "fp8" not in skip else None
     if "hf" not in skip:
         section("hf", bench_vs_transformers, args)
     if llm is not None and "sleep" not in skip:
         section("sleep", bench_sleep, llm, args)
     if llm is not None:
         llm.shutdown()
+    if "fp8" not in skip:
+        section("fp8", bench_fp8, args, bw, ref_logits)
     if "k3" not in skip:
         section("k3", bench_k3, args, bw)
     if "k3graphs" not in skip:

@@ -118,11 +118,15 @@ class RestorePlan:
 
 def written_params(worker, hf_names: list[str]) -> list[str]:
     """The model parameters that hold these checkpoint tensors on this rank."""
+    from .fp8 import SCALE_SUFFIX
     from .specs import canonical_name, weight_specs
 
     cfg = worker.config.model_config
     by_name = {s.hf_name: s.param for s in weight_specs(cfg)}
-    return sorted({by_name[c] for c in (canonical_name(cfg, n) for n in hf_names) if c in by_name})
+    written = {by_name[c] for c in (canonical_name(cfg, n) for n in hf_names) if c in by_name}
+    # An FP8 weight's update (bf16 quantized on the rank, or fp8 + scale) writes its scales too.
+    held = dict(worker.model.named_parameters())
+    return sorted(written | {p + SCALE_SUFFIX for p in written if p + SCALE_SUFFIX in held})
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ table and the same slicing code, so TP 1/2/4 hold the same logical model.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -203,6 +204,7 @@ def check_fp8_layout(cfg: ModelConfig, world_size: int) -> None:
         if held_fp8(s.param):
             rows = s.shape[0] // (world_size if s.shard_dim == 0 else 1) * (s.part[1] if s.part else 1)
             problems += layout_problems(s, block, world_size, rows)
+    problems = list(dict.fromkeys(re.sub(r"experts\.\d+\.", "experts.*.", p) for p in problems))
     if problems:
         raise ConfigError(f"FP8 weights with weight_block_size {list(block)} cannot be sharded at TP {world_size}: "
                           + "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else ""))
