@@ -1,11 +1,11 @@
 """Triton grouped GEMM for the routed experts above the GEMV limit (decode batches > 16 tokens,
 and prefill): four kernels, no host sync, no atomics, no torch sort (issue 12).
 
-1. `_align_kernel` (one program): from the router's ids [M, k], each expert's count, its rows
-   padded to a multiple of BLOCK_M, and `sorted_pairs` (pair = token * k + slot, grouped by
-   expert, pair order kept within an expert, padding rows = M*k); the expert of each BLOCK_M
-   block and the number of blocks used. The torch path spent ~9% of a batch-64 step on the
-   argsort alone (bench/RESULTS.md).
+1. `_align_kernel`, one program per expert: from the router's ids [M, k], each expert's rows
+   padded to a multiple of BLOCK_M in `sorted_pairs` (pair = token * k + slot, grouped by
+   expert, pair order kept within an expert, padding rows = M*k), the expert of each BLOCK_M
+   block and the number of blocks used. It replaces the torch path's argsort (9% of a batch-64
+   step on the H200, bench/RESULTS.md), counts, cumsum and gathers.
 2. `_gate_up_kernel`: one program per (row block, N block): the block's token rows of x
    (gathered through sorted_pairs) against the expert's gate and up tiles of w13 on tensor
    cores, fp32 accumulation, the gated activation (SiLU or Kimi's SiTU) in the epilogue.
@@ -35,19 +35,18 @@ from .moe_kernels import ACTS, INTERPRET, triton
 if triton is not None:
     import triton.language as tl
 
-# Block sizes by mean (token, slot) pairs per expert, M * top_k / E: what decides how many rows an
-# expert's weight tiles are read for. Decode is bandwidth-bound (each expert's weights should be
-# read once, so BLOCK_M should hold most experts' rows); prefill is compute-bound (big tiles).
-# Rows: (up to this many pairs per expert, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
-# Retune with bench/moe_grouped.py --sweep; LATENTSERVE_MOE_GROUPED_CONFIG="16,64,128,4,4"
-# overrides the table.
-# Decode rows: 64-wide K steps in 4 stages keep 2-3 programs per SM, so one program's start
-# (its block's rows and expert) hides behind another's stream.
+# Block sizes by mean (token, slot) pairs per expert, M * top_k / E (the token count scaled to the
+# model: what decides how many row blocks read an expert's weight tiles). Decode is bandwidth-bound:
+# BLOCK_M should hold most experts' rows so each weight tile is read once, and 64-wide K steps in
+# 4 stages keep 2-3 programs per SM, one program's start hiding behind another's stream. Prefill
+# is compute-bound: big tiles. Rows: (up to this many pairs per expert, BLOCK_M, BLOCK_N,
+# BLOCK_K, num_warps, num_stages). Retune with bench/moe_grouped.py --sweep;
+# LATENTSERVE_MOE_GROUPED_CONFIG="16,64,64,4,4" overrides the table.
 CONFIGS: list[tuple[float, int, int, int, int, int]] = [
-    (12, 16, 64, 64, 4, 4),   # the small preset (64 experts, top 8) up to M ~ 96: ~8 rows per expert at 64
-    (24, 32, 64, 64, 4, 4),   # M ~ 128
-    (64, 64, 64, 64, 4, 4),   # M ~ 256-512: wgmma-sized row blocks
-    (float("inf"), 128, 64, 64, 8, 4),  # prefill: compute-bound
+    (12, 16, 64, 64, 4, 4),   # small preset (64 experts, top 8): M <= 96 (8 rows per expert at 64)
+    (24, 32, 64, 64, 4, 4),   # M <= 192
+    (64, 64, 64, 64, 4, 4),   # M <= 512: wgmma-sized row blocks
+    (float("inf"), 128, 64, 64, 8, 4),  # prefill
 ]
 
 
@@ -84,46 +83,41 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, scratch_ptr, num_pairs,
-                      E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PAD_J: tl.constexpr):
-        """One program. Pass 1: counts per expert (histogram); padded starts by a cumsum.
-        Pass 2, CHUNK pairs at a time: a pair's row = its expert's next free row (looked up
-        through `scratch`, written by this program before a barrier) + the pairs of the same
-        expert earlier in the chunk. Then the padding rows and each block's expert."""
-        e = tl.arange(0, E_PAD)
+    def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs,
+                      BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+        """Program per expert. Each counts every expert's pairs (a histogram of all M*k ids, a few
+        KB from L2, repeated per program), so it knows its first row (the padded counts of the
+        experts before it); then it writes its own pairs in pair order (a prefix sum of its
+        matches), its padding rows and its blocks' expert. No program reads what another
+        writes: no atomics, no barriers, the same result every time."""
+        expert = tl.program_id(0)
         c = tl.arange(0, CHUNK)
-        counts = tl.zeros([E_PAD], tl.int32)
+        counts = tl.zeros([BINS], tl.int32)
         for p0 in range(0, num_pairs, CHUNK):
             valid = p0 + c < num_pairs
             ids = tl.load(ids_ptr + p0 + c, mask=valid, other=0).to(tl.int32)
-            counts += tl.histogram(ids, E_PAD, mask=valid)
+            counts += tl.histogram(ids, BINS, mask=valid)
+        bins = tl.arange(0, BINS)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        starts = tl.cumsum(padded, 0) - padded
-        total = tl.sum(padded, 0)
-        nxt = starts
-        for p0 in range(0, num_pairs, CHUNK):
-            tl.store(scratch_ptr + e, nxt)
-            tl.debug_barrier()  # the whole CTA sees this chunk's next free rows
-            p = p0 + c
-            valid = p < num_pairs
-            ids = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
-            base = tl.load(scratch_ptr + ids, mask=valid, other=0, volatile=True)  # after the barrier, never hoisted
-            earlier = (ids[:, None] == ids[None, :]) & (c[None, :] < c[:, None]) & valid[None, :]
-            rank = tl.sum(earlier.to(tl.int32), 1)
-            tl.store(sorted_ptr + base + rank, p, mask=valid)
-            nxt += tl.histogram(ids, E_PAD, mask=valid)
-            tl.debug_barrier()  # every lookup done before the next chunk overwrites scratch
-        # Padding rows (at most BLOCK_M - 1 per expert) marked with num_pairs.
-        fill = starts + counts
-        for j0 in range(0, BLOCK_M, PAD_J):
-            j = j0 + tl.arange(0, PAD_J)
-            tl.store(sorted_ptr + fill[:, None] + j[None, :], tl.zeros([E_PAD, PAD_J], tl.int32) + num_pairs,
-                     mask=j[None, :] < (padded - counts)[:, None])
-        nblocks = padded // BLOCK_M
-        first = starts // BLOCK_M
-        for i in range(0, tl.max(nblocks, 0)):
-            tl.store(block_expert_ptr + first + i, e, mask=i < nblocks)
-        tl.store(used_ptr, total // BLOCK_M)
+        start = tl.sum(tl.where(bins < expert, padded, 0), 0)
+        count = tl.sum(tl.where(bins == expert, counts, 0), 0)
+        rows = tl.sum(tl.where(bins == expert, padded, 0), 0)
+        if expert == 0:
+            tl.store(used_ptr, tl.sum(padded, 0) // BLOCK_M)
+        if count > 0:
+            row = start
+            for p0 in range(0, num_pairs, CHUNK):
+                p = p0 + c
+                hit = (tl.load(ids_ptr + p, mask=p < num_pairs, other=-1) == expert).to(tl.int32)
+                tl.store(sorted_ptr + row + tl.cumsum(hit, 0) - hit, p, mask=hit != 0)
+                row += tl.sum(hit, 0)
+            j = tl.arange(0, BLOCK_M)  # padding rows, marked num_pairs
+            tl.store(sorted_ptr + start + count + j, tl.zeros([BLOCK_M], tl.int32) + num_pairs, mask=j < rows - count)
+            nblocks = rows // BLOCK_M
+            for b0 in range(0, nblocks, CHUNK):
+                blk = b0 + c
+                tl.store(block_expert_ptr + start // BLOCK_M + blk, tl.zeros([CHUNK], tl.int32) + expert,
+                         mask=blk < nblocks)
 
     @triton.jit
     def _tanh(y):
@@ -241,12 +235,11 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
-    e_pad = triton.next_power_of_2(num_experts)
-    scratch = torch.empty(e_pad, dtype=torch.int32, device=dev)
-    # CHUNK^2 compares per chunk for the ranks; [E_PAD, PAD_J] padding stores per step.
-    _align_kernel[(1,)](ids.contiguous().view(-1), sorted_pairs, block_expert, used, scratch, num_pairs,
-                        E_PAD=e_pad, BLOCK_M=block_m, CHUNK=128, PAD_J=max(1, min(block_m, 4096 // e_pad)),
-                        num_warps=8, num_stages=1)  # no software pipelining across the barriers
+    # Triton's histogram keeps at least one bin per lane of a warp.
+    bins = max(32, triton.next_power_of_2(num_experts))
+    chunk = min(4096, max(256, triton.next_power_of_2(num_pairs)))
+    _align_kernel[(num_experts,)](ids.contiguous().view(-1), sorted_pairs, block_expert, used, num_pairs,
+                                  BINS=bins, BLOCK_M=block_m, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8)
     return sorted_pairs, block_expert, used
 
 

@@ -57,7 +57,7 @@ def routing(kind: str, m: int, k: int, experts: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind,m,k,experts,block_m", [
     ("uniform", 17, 8, 64, 16), ("uniform", 64, 8, 64, 32), ("uniform", 300, 8, 64, 64),
     ("few", 33, 4, 48, 16), ("skewed", 70, 6, 40, 16), ("one", 50, 1, 16, 16), ("one", 129, 1, 8, 64),
-    ("uniform", 9, 4, 300, 16),  # many experts (E_PAD 512), most empty
+    ("uniform", 9, 4, 160, 16),  # many experts (256 bins), most empty
 ])
 def test_align_matches_numpy(kind, m, k, experts, block_m):
     ids = routing(kind, m, k, experts, seed=m + k)
