@@ -25,7 +25,7 @@ sleep bandwidth vs a pinned copy, level-2 wake, fused vs unfused tail. One comma
 - tail: bench/tail.py's CUDA section at TP 2 (virtual ranks), when the Triton tail exists.
 - k3: Kimi-K3 with its real layer shapes (hidden 7168, 96 KDA heads of 128, MLA with output
   gate, latent MoE 3584, SiTU, attention residuals) cut to fit one GPU (K3_BENCH: 8 layers, 32
-  experts), decode eagerly (KDA's state rows are not in the graphs yet) against its floor:
+  experts), decode eagerly (enforce_eager: its graphs are measured at small widths in k3graphs) against its floor:
   weights as above, MLA KV of the MLA layers only, and each KDA layer's state rows read and
   written once per sequence.
 - k3graphs: a Kimi-K3-structured model at the `small` preset's widths (K3_SMALL: 24 layers, 18
@@ -235,7 +235,8 @@ def fill_caches(llm: LLM) -> None:
 def bench_k3(args, bw: float) -> None:
     """Kimi-K3's shapes cut to one GPU: eager decode step vs its floor."""
     batches = [b for b in args.batches if b <= 64]
-    llm = make_llm(args.device, K3_BENCH, "k3", max_num_seqs=max(batches), kv_cache_memory_bytes=2 * GIB)
+    llm = make_llm(args.device, K3_BENCH, "k3", max_num_seqs=max(batches), kv_cache_memory_bytes=2 * GIB,
+                   enforce_eager=True)
     fill_caches(llm)
     worker, rows = llm.executor.rank0, []
     for batch in batches:
