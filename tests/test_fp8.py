@@ -195,3 +195,21 @@ def test_update_checks_scales():
     with pytest.raises(CheckpointError, match="mis-shaped"):
         load_weights(model, FP8_TINY, TPGroup.single(), {name: q, name + "_scale_inv": torch.ones(8, 4)})
     assert all(torch.equal(u8(t), u8(before[n])) for n, t in params(model).items())
+
+
+def test_sleep_levels_keep_fp8_tokens(tmp_path):
+    """Pool-held FP8 weights and scales: level 1 offloads and restores both; level 2 discards both
+    and a trainer's fp32 update (quantized on the rank) brings the same tokens back."""
+    save_checkpoint(FP8_TINY, str(tmp_path), {n: t.bfloat16() for n, t in checkpoint_tensors(TINY, 0)})
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": TOKENS}, {"prompt_token_ids": [44, 2, 811]}]
+    with LLM(str(tmp_path), distributed_executor_backend="uni", dtype="float32", enable_sleep_mode=True) as llm:
+        assert dict(llm.executor.rank0.model.named_parameters())["model.layers.1.mlp.experts.w13"].dtype == fmt.FP8
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == base
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.update_weights([(n, t.bfloat16()) for n, t in checkpoint_tensors(TINY, 0)])
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == base
