@@ -70,12 +70,15 @@ def test_align_matches_numpy(kind, m, k, experts, block_m):
 
 
 def reference(x, w13, w2, weights, ids, act):
-    """float64: sum_j weights[:, j] * w2[ids[:, j]] @ act(w13[ids[:, j]] @ x)."""
-    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    """float64 on the CPU: sum_j weights[:, j] * w2[ids[:, j]] @ act(w13[ids[:, j]] @ x), one expert at a time."""
+    x, w13, w2, weights, ids = (t.cpu() for t in (x.double(), w13.double(), w2.double(), weights.double(), ids))
     shard = w2.shape[2]
-    gu = torch.einsum("tw,tjnw->tjn", x, w13[ids])
-    y = torch.einsum("tjn,tjwn->tjw", act(gu[..., :shard], gu[..., shard:]), w2[ids])
-    return (y * weights[..., None]).sum(1)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[e].T
+        out.index_add_(0, tok, (act(gu[:, :shard], gu[:, shard:]) @ w2[e].T) * weights[tok, slot, None])
+    return out
 
 
 def activation(act, beta, linear_beta):
