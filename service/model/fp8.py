@@ -14,6 +14,8 @@ parameters, and `x @ dequant(W, scale_inv)^T` for layers.linear.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +23,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..weights import fp8 as fmt
 from ..weights.specs import check_fp8_layout, weight_specs
-from . import moe_kernels
+from . import gemv, moe_kernels
 
 try:
     import triton
@@ -91,11 +93,75 @@ if triton is not None:
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wmask = nmask[:, None] & kmask[None, :]
-            wv = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=wmask, other=0.0).to(tl.float32)
-            sv = tl.load(s_ptr + (n // BN)[:, None] * stride_sn + (k // BK)[None, :], mask=wmask, other=0.0)
-            acc = tl.dot(xv, tl.trans((wv * sv).to(dtype)), acc)
+            wmask = kmask[:, None] & nmask[None, :]  # the tile as [BLOCK_K, BLOCK_N], K-major
+            wv = tl.load(w_ptr + k[:, None] + n[None, :] * stride_wn, mask=wmask, other=0.0).to(tl.float32)
+            sv = tl.load(s_ptr + (k // BK)[:, None] + (n // BN)[None, :] * stride_sn, mask=wmask, other=0.0)
+            acc = tl.dot(xv, (wv * sv).to(dtype), acc)
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(dtype), mask=mmask[:, None] & nmask[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr):
+        """One token's group of GROUP activations: scale = amax / 448, q = x / scale in FP8."""
+        row, g = tl.program_id(0), tl.program_id(1)
+        k = g * GROUP + tl.arange(0, GROUP)
+        kmask = k < K
+        v = tl.load(x_ptr + row * stride_xm + k, mask=kmask, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
+        q = tl.clamp(v / s, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=kmask)
+        tl.store(s_ptr + row * stride_sm + g, s)
+
+    @triton.jit
+    def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn,
+                     stride_om, BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """out = sum over K blocks of (a_q . w_q^T) in FP8 tensor cores (fp32 accumulate), each
+        block's partial scaled by its token-group scale (rows) and weight block scale (columns)."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask, nmask = m < M, n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            k = kb * BK + tl.arange(0, BK)
+            kmask = k < K
+            a = tl.load(a_ptr + m[:, None] * stride_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            # The weight tile loaded K-major [BK, BLOCK_N] through its strides (as vLLM's
+            # w8a8_block_fp8_matmul), not transposed in registers: what Hopper's FP8 MMA takes.
+            w = tl.load(w_ptr + k[:, None] + n[None, :] * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            a_s = tl.load(as_ptr + m * stride_asm + kb, mask=mmask, other=0.0)
+            w_s = tl.load(ws_ptr + (n // BN) * stride_wsn + kb, mask=nmask, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out, mask=mmask[:, None] & nmask[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
+                         BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        """gemv.py's bandwidth-shaped decode GEMM on FP8 rows: BLOCK_N output rows per program
+        (the grid covers every SM twice), K streamed in BLOCK_K steps that never straddle a scale
+        block, so each step's partial sums take one scale per row; fp32 throughout."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        nmask, mmask = n < N, m < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            sv = tl.load(s_ptr + (n // BN) * stride_s + k0 // BK, mask=nmask, other=0.0)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)
+            acc += tl.sum(xv[:, None, :] * w[None, :, :], 2) * sv[None, :]
+        tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -109,11 +175,44 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     # Small M (decode): narrow N tiles so even one token spreads the weight over many SMs.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
-    block_k = min(128, bk)
+    if m <= gemv.max_rows():  # decode rows: bandwidth-shaped, no tensor-core tiles
+        b = gemv.block_n(n, gemv.sm_count(x.device))
+        _gemv_fp8_kernel[(triton.cdiv(n, b),)](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0),
+                                               scale.stride(0), out.stride(0), BN=bn, BK=bk,
+                                               BLOCK_M=triton.next_power_of_2(m), BLOCK_N=b,
+                                               BLOCK_K=min(128, bk), num_warps=4)
+        return out
+    if m >= w8a8_min_rows() and bk in (64, 128, 256):
+        return _linear_w8a8(x, weight, scale, out, bn, bk)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    # The scales are indexed per element (k // BK), so the K tile need not match the block.
     _w8a16_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
-                        out.stride(0), BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        out.stride(0), BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
                         num_warps=4, num_stages=3)
+    return out
+
+
+def w8a8_min_rows() -> int:
+    """From this many rows on, FP8 x FP8 tensor cores (activations quantized per token and
+    128-wide group, as DeepSeek-V3's inference code and vLLM's w8a8_block_fp8_matmul): twice
+    bf16's peak, where prefill and big batches are compute-bound. Fewer rows are memory-bound:
+    W8A16 reads the same FP8 weight bytes without the activations' quantization error."""
+    return int(os.environ.get("LATENTSERVE_FP8_W8A8_MIN_ROWS", "128"))
+
+
+def _linear_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, bn: int,
+                 bk: int) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    groups = triton.cdiv(k, bk)
+    xq = torch.empty(m, k, dtype=weight.dtype, device=x.device)
+    xs = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    _act_quant_kernel[(m, groups)](x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), GROUP=bk, num_warps=4)
+    block_m = 64 if m <= 256 else 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 128))
+    _w8a8_kernel[grid](xq, xs, weight, scale, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0),
+                       scale.stride(0), out.stride(0), BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=128,
+                       num_warps=8 if block_m == 128 else 4, num_stages=3)
     return out
 
 

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
@@ -41,9 +41,14 @@ def quantized(n: int, k: int, g: torch.Generator, block=(128, 128), experts: int
     return q.to(DEVICE), s.to(DEVICE)
 
 
-@pytest.mark.parametrize("m", [1, 8, 64, 300])
+@pytest.mark.parametrize("m,gemv_rows", [(1, "8"), (8, "8"), (1, "0"), (8, "0"), (64, "8"), (300, "8")])
 @pytest.mark.parametrize("n,k", [(256, 512), (200, 300), (576, 2048)])
-def test_linear_kernel_matches_dequantized_reference(m, n, k):
+def test_linear_kernel_matches_dequantized_reference(m, gemv_rows, n, k, monkeypatch):
+    """W8A16 at every M: the FP8 GEMV up to LATENTSERVE_GEMV_MAX_ROWS rows (0: the tensor-core
+    kernel at 1 and 8 rows too), the dequantizing tensor-core kernel above (W8A8 kept off here:
+    it has its own test)."""
+    monkeypatch.setenv("LATENTSERVE_FP8_W8A8_MIN_ROWS", "1000000")
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", gemv_rows)
     g = torch.Generator().manual_seed(m * 7 + n + k)
     q, s = quantized(n, k, g)
     x = torch.randn(m, k, generator=g).to(DEVICE, ACT_DTYPE)
@@ -58,6 +63,34 @@ def test_linear_kernel_matches_dequantized_reference(m, n, k):
     # Through layers.linear's entry point, with a leading batch dim.
     out3 = fp8.linear_fp8(x.view(1, m, k), q, s)
     assert torch.equal(out3.view(m, n), out)
+
+
+@pytest.mark.parametrize("m", [128, 300])
+@pytest.mark.parametrize("n,k", [(256, 512), (200, 300)])
+def test_w8a8_kernel_matches_quantized_activation_reference(m, n, k, monkeypatch):
+    """From LATENTSERVE_FP8_W8A8_MIN_ROWS rows on: activations quantized per token and 128-wide
+    group (amax / 448), FP8 x FP8 dots, both scales applied per K block. Held to the float64
+    product of the same quantized activations and weights; the activations' quantization error
+    (~3% of the largest output here) is printed against the W8A16 reference."""
+    monkeypatch.setenv("LATENTSERVE_FP8_W8A8_MIN_ROWS", "128")
+    g = torch.Generator().manual_seed(m + n + k)
+    q, s = quantized(n, k, g)
+    x = torch.randn(m, k, generator=g).to(DEVICE, ACT_DTYPE)
+    xq, xs = fmt.quantize(x.float(), (1, 128))
+    w64 = fmt.dequantize(q, s, (128, 128)).double()
+    ref8 = fmt.dequantize(xq, xs, (1, 128)).double() @ w64.T
+    if INTERPRET:  # its FP32 -> FP8 cast is off for some values (124.3 -> 64): the dot kernel alone
+        out = torch.empty(m, n, dtype=ACT_DTYPE)
+        fp8._w8a8_kernel[(triton.cdiv(m, 64), triton.cdiv(n, 128))](
+            xq, xs, q, s, out, m, n, k, xq.stride(0), xs.stride(0), q.stride(0), s.stride(0), out.stride(0),
+            BN=128, BK=128, BLOCK_M=64, BLOCK_N=128)
+    else:
+        out = torch.ops.latentserve.fp8_linear(x, q, s)
+    err = (out.double() - ref8).abs().max().item()
+    assert err <= 2 ** -7 * ref8.abs().max().item() + 1e-3, f"max error {err:.3e} (max |ref| {ref8.abs().max():.3f})"
+    ref16 = x.double() @ w64.T
+    print(f"\nW8A8 M={m} N={n} K={k}: activation quantization error {(out.double() - ref16).abs().max():.4f} "
+          f"of max |out| {ref16.abs().max():.3f}")
 
 
 def experts_reference(x, w13, w2, weights, ids, act):
