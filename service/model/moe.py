@@ -107,7 +107,9 @@ class FusedExperts(nn.Module):
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
                 return out
-        if moe_grouped.supported(x, self.w13, self.w2, self.act_name):  # more tokens: Triton grouped GEMM
+        # More tokens: the Triton grouped GEMM, up to prefill sizes where torch._grouped_mm has CUTLASS.
+        if moe_grouped.supported(x, self.w13, self.w2, self.act_name) and (
+                x.shape[0] <= moe_grouped.max_tokens() or not grouped_mm_fast(x)):
             out = moe_kernels.call(torch.ops.latentserve.moe_grouped_experts, x, self.w13, self.w2, weights, ids,
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:

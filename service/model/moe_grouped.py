@@ -55,6 +55,13 @@ def enabled() -> bool:
     return os.environ.get("LATENTSERVE_MOE_GROUPED", "triton") != "torch" and moe_kernels.enabled()
 
 
+def max_tokens() -> int:
+    """Above this many tokens (prefill, compute-bound) FusedExperts keeps torch._grouped_mm where
+    its CUTLASS kernels run (bf16 on sm_90/sm_100); not measured yet: bench/moe_grouped.py --m
+    2048,8192 compares the two. LATENTSERVE_MOE_GROUPED_MAX_TOKENS."""
+    return int(os.environ.get("LATENTSERVE_MOE_GROUPED_MAX_TOKENS", "1024"))
+
+
 def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: str) -> bool:
     """CUDA (or the interpreter), bf16/fp16 activations and weights of the same dtype, a gated
     activation the kernels know, weights contiguous along their reduction dims."""

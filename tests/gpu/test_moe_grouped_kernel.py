@@ -190,6 +190,17 @@ def test_fused_experts_take_the_kernel_above_the_gemv_limit():
     assert err < 1e-2, err
 
 
+def test_above_max_tokens_only_where_torch_has_no_fast_grouped_gemm(monkeypatch):
+    """fp16 (no CUTLASS grouped GEMM in torch) keeps the Triton kernel above the token cap."""
+    monkeypatch.setenv("LATENTSERVE_MOE_GROUPED_MAX_TOKENS", "16")
+    ex, x, weights, ids, _ = tiny_experts(24)
+    with torch.inference_mode():
+        got = ex(x, weights, ids)
+        op = torch.ops.latentserve.moe_grouped_experts(x, ex.w13, ex.w2, weights, ids, ex.act_name, ex.act_beta,
+                                                        ex.act_linear_beta)
+    assert torch.equal(got, op)
+
+
 def test_first_call_failure_falls_back_to_the_torch_path(monkeypatch):
     monkeypatch.setattr(moe_kernels, "_verified", set())
     monkeypatch.setattr(moe_kernels, "_failure", None)
@@ -245,6 +256,22 @@ def test_small_preset_bf16_matches_the_torch_grouped_path(m, monkeypatch):
     err = (got.double().cpu() - ref).norm().item() / scale
     err_torch = (torch_path.double().cpu() - ref).norm().item() / scale
     assert err < 1e-2 and err < 2 * err_torch + 1e-3, (err, err_torch)
+
+
+@pytest.mark.skipif(INTERPRET, reason="torch._grouped_mm's CUTLASS kernels on the GPU")
+def test_bf16_above_max_tokens_takes_torch_grouped_mm(monkeypatch):
+    from service.model.moe import grouped_mm_fast
+
+    cfg, ex = small_experts()
+    m, k, e = 40, cfg.num_experts_per_tok, cfg.n_routed_experts
+    x = torch.randn(m, cfg.moe_latent_size, device="cuda", dtype=torch.bfloat16)
+    ids = routing("uniform", m, k, e, seed=5).cuda()
+    weights = torch.rand(m, k, device="cuda")
+    if not grouped_mm_fast(x):
+        pytest.skip("no CUTLASS grouped GEMM on this GPU")
+    monkeypatch.setenv("LATENTSERVE_MOE_GROUPED_MAX_TOKENS", "32")
+    with torch.inference_mode():
+        torch.testing.assert_close(ex(x, weights, ids), ex.grouped(x, weights, ids), rtol=0, atol=0)
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs")
