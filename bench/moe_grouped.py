@@ -8,6 +8,8 @@ bf16), one MoE layer, each side captured in a CUDA graph and replayed (as decode
 Prints per M: us per layer of each side, the expert weight bytes the step must read (experts that
 got a token) over that time in GB/s and as a fraction of the device copy bandwidth measured here,
 the ratio torch / Triton, the align kernel alone, and the relative difference of the outputs.
+At prefill sizes (--m 2048,8192: compute-bound, GB/s means little) the ratio says whether
+moe_grouped.max_tokens() (above it FusedExperts keeps torch._grouped_mm) is placed right.
 --sweep also times candidate block configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per M and
 prints the best: copy it into moe_grouped.CONFIGS.
 """
