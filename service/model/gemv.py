@@ -37,8 +37,20 @@ _failure: str | None = None  # why the kernel is off for good in this process
 
 def max_rows() -> int:
     """Up to this many rows the GEMV runs (LATENTSERVE_GEMV_MAX_ROWS; 0 turns it off: the
-    bench's cuBLAS baseline)."""
-    return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "8"))
+    bench's cuBLAS baseline). One by default: at 8 rows the register-tile reduction is 2-4x
+    slower than cuBLAS on the H200 (bench/gemv.py, 2026-12-03), at 1 row it is faster or even."""
+    return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "1"))
+
+
+# Above this many weight elements cuBLAS streams at ~3.7 TB/s (lm_head: 36 us for 134 MB at one
+# row, ours 45 us at best): the GEMV is for the many small projections of a layer.
+MAX_WEIGHT_ELEMENTS = 16 << 20
+
+
+def gated_enabled() -> bool:
+    """The gate/up GEMV with the activation fused (LATENTSERVE_GATED_GEMV=1). Off by default: its
+    first H200 run took 15 us per shared expert where cuBLAS + the activation take 8.5."""
+    return os.environ.get("LATENTSERVE_GATED_GEMV", "0") == "1"
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,7 +58,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     rows = x.numel() // max(1, x.shape[-1])
     return (0 < rows <= max_rows() and x.dtype == weight.dtype and x.dtype in _DTYPES
-            and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1])
+            and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1] and weight.numel() <= MAX_WEIGHT_ELEMENTS)
 
 
 def run(op, *args) -> torch.Tensor | None:
@@ -147,12 +159,13 @@ if triton is not None:
         tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
 
     def config(m: int, n: int, k: int, sms: int) -> dict:
-        """Launch shape for [m, k] x [n, k]^T; bench/gemv.py sweeps the alternatives."""
+        """Launch shape for [m, k] x [n, k]^T: the best of bench/gemv.py --sweep at one row on the
+        H200 (2026-12-03: 512-wide K steps, 4-8 rows per program, within 0.5 us of the best)."""
         bm = triton.next_power_of_2(m)
-        bn = block_n(n, sms)
+        bn = max(4, block_n(n, sms))
         # A [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it near 8K elements.
         bk = max(64, min(512, 8192 // (bm * bn), triton.next_power_of_2(k)))
-        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
 
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict) -> None:
         m, k = x2.shape

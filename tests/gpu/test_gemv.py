@@ -29,11 +29,13 @@ SHAPES = [(1344, 2048), (100, 96), (1024, 768)] if INTERPRET else [
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gemv_matches_reference(n, k, m, dtype):
+def test_gemv_matches_reference(n, k, m, dtype, monkeypatch):
+    """The kernel at every row count it may be turned on for (LATENTSERVE_GEMV_MAX_ROWS)."""
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "8")
     g = torch.Generator().manual_seed(n * 7 + k + m)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    assert gemv.supported(x, w)
+    assert gemv.supported(x, w) == (w.numel() <= gemv.MAX_WEIGHT_ELEMENTS)
     y = torch.ops.latentserve.gemv(x, w)
     assert y.shape == (m, n) and y.dtype == dtype
     ref = (x.double() @ w.double().t())
@@ -52,6 +54,7 @@ def test_leading_dims_and_strided_rows():
 
 
 def test_linear_routes_by_rows(monkeypatch):
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "4")
     w = torch.randn(64, 32).to(DEVICE)
     assert gemv.supported(torch.randn(gemv.max_rows(), 32).to(DEVICE), w)
     assert not gemv.supported(torch.randn(gemv.max_rows() + 1, 32).to(DEVICE), w)
