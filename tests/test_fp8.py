@@ -213,3 +213,22 @@ def test_sleep_levels_keep_fp8_tokens(tmp_path):
         llm.wake_up()
         llm.update_weights([(n, t.bfloat16()) for n, t in checkpoint_tensors(TINY, 0)])
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == base
+
+
+def test_kimi_k3_fp8_matches_its_dequantized_values():
+    """k3-tiny (KDA, latent MoE, attention residuals): KDA's q/k/v/o/g projections are FP8, its
+    small gate tensors and the attention residuals' queries stay in the model dtype; the logits
+    are those of the plain model holding the dequantized values."""
+    k3 = PRESETS["k3-tiny"]
+    cfg = dataclasses.replace(k3, extra={**k3.extra, "quantization_config": QUANT})
+    model = build_model(cfg, seed=0)
+    p = dict(model.named_parameters())
+    assert p["model.layers.0.self_attn.q_proj.weight"].dtype == fmt.FP8
+    assert p["model.layers.0.self_attn.f_a_proj.weight"].dtype == torch.float32
+    assert p["model.layers.0.mlp_res_proj.weight"].dtype == torch.float32
+    state = export_state(model)
+    plain = {n: fmt.dequantize(t, state[n + fmt.SCALE_SUFFIX]) if t.dtype == fmt.FP8 else t
+             for n, t in state.items() if not n.endswith(fmt.SCALE_SUFFIX)}
+    ref = build_model(k3, seed=None)
+    load_weights(ref, k3, TPGroup.single(), plain)
+    assert (full_logits(model, TOKENS) - full_logits(ref, TOKENS)).abs().max() < 1e-4

@@ -30,8 +30,10 @@ DEFAULT_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size
 # up-projection as a plain matrix. Both are a small share of a layer's bytes (kv_b is 16.8M of
 # DeepSeek-V3's ~190M parameters per MoE layer at TP 1, 1/8 of that per rank at TP 8).
 HELD_DEQUANTIZED = (".kv_b_proj.weight", ".routed_expert_up_proj.weight")
-# Kimi's KDA tensors that stay in the model dtype (low-rank gate inputs, per-head beta).
-_SMALL = (".f_a_proj.weight", ".f_b_proj.weight", ".b_proj.weight", ".g_a_proj.weight", ".g_b_proj.weight")
+# Kimi's tensors that stay in the model dtype: KDA's low-rank gate inputs and per-head beta, and
+# the attention residuals' [1, H] queries (read as vectors by attn_res).
+_SMALL = (".f_a_proj.weight", ".f_b_proj.weight", ".b_proj.weight", ".g_a_proj.weight", ".g_b_proj.weight",
+          "_res_proj.weight")
 _SAFETENSORS_FP8 = ("F8_E4M3",)
 
 
