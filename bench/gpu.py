@@ -712,7 +712,7 @@ def print_table(args, bw: float) -> None:
     f8 = RESULTS.get("fp8")
     if f8:
         bf16 = {r["batch"]: r.get("graph_ms", nan) for r in RESULTS.get("decode", [])}
-        print(f"FP8 weights (128x128 blocks, W8A16 Triton GEMMs), decode graphs (ctx {args.context}); logits vs bf16: "
+        print(f"FP8 weights (128x128 blocks; Triton FP8 GEMV / W8A16 / W8A8 by rows), decode graphs (ctx {args.context}); logits vs bf16: "
               f"max error {f8.get('max_logit_err', nan):.4f} (max |logit| {f8.get('max_abs_logit', nan):.3f}), "
               f"argmax agree {f8.get('argmax_agree', nan):.1%} of 64 positions")
         for r in f8["decode"]:
