@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .fusion import fused
 from .layers import ReplicatedLinear, RMSNorm
 
 
@@ -21,6 +22,17 @@ def attn_res_mix(prefix: torch.Tensor, delta: torch.Tensor | None, bank: torch.T
     bank [T, blocks, H]: finished block sums; the first `num_blocks` are sources. With
     write_block >= 0 the updated prefix closes that block (bank[:, write_block] = prefix).
     Returns (updated prefix, sublayer input [T, H])."""
+    out_weight = out_norm.weight if out_norm is not None else None
+    out_eps = out_norm.eps if out_norm is not None else 0.0
+    return _mix(prefix, delta, bank, num_blocks, norm.weight, norm.eps, proj.weight, out_weight, out_eps, write_block)
+
+
+# One compiled chain on CUDA (~12 small kernels otherwise, twice per layer): K3's attention-residual
+# layers are not compiled whole inside the decode graphs (cuda_graph.py compiles their sublayers).
+@fused
+def _mix(prefix: torch.Tensor, delta: torch.Tensor | None, bank: torch.Tensor, num_blocks: int,
+         norm_weight: torch.Tensor, norm_eps: float, proj_weight: torch.Tensor, out_weight: torch.Tensor | None,
+         out_eps: float, write_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     if delta is not None:
         prefix = prefix + delta
     if write_block >= 0:
@@ -29,11 +41,11 @@ def attn_res_mix(prefix: torch.Tensor, delta: torch.Tensor | None, bank: torch.T
         mixed = prefix.float()
     else:
         sources = torch.cat([bank[:, :num_blocks], prefix[:, None]], dim=1).float()  # [T, S, H]
-        rstd = torch.rsqrt(sources.pow(2).mean(-1) + norm.eps)  # [T, S]
-        query = norm.weight.float() * proj.weight[0].float()  # [H]
+        rstd = torch.rsqrt(sources.pow(2).mean(-1) + norm_eps)  # [T, S]
+        query = norm_weight.float() * proj_weight[0].float()  # [H]
         weights = ((sources @ query) * rstd).softmax(dim=-1)  # [T, S]
         mixed = (weights[..., None] * sources).sum(dim=1)
-    if out_norm is None:
+    if out_weight is None:
         return prefix, mixed.to(prefix.dtype)
-    rstd = torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + out_norm.eps)
-    return prefix, (mixed * rstd * out_norm.weight.float()).to(prefix.dtype)
+    rstd = torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + out_eps)
+    return prefix, (mixed * rstd * out_weight.float()).to(prefix.dtype)
