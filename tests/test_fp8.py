@@ -232,3 +232,16 @@ def test_kimi_k3_fp8_matches_its_dequantized_values():
     ref = build_model(k3, seed=None)
     load_weights(ref, k3, TPGroup.single(), plain)
     assert (full_logits(model, TOKENS) - full_logits(ref, TOKENS)).abs().max() < 1e-4
+
+
+def test_fp8_engine_tp2_gives_tp1_tokens(tmp_path):
+    """The FP8 checkpoint served at TP 2 (one process per rank, each reading its blocks)
+    generates TP 1's greedy tokens."""
+    fp8_checkpoint(tmp_path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": TOKENS}, {"prompt_token_ids": [44, 2, 811]}, {"prompt_token_ids": [7, 8, 9]}]
+    out = []
+    for tp, backend in ((1, "uni"), (2, "mp")):
+        with LLM(str(tmp_path), tensor_parallel_size=tp, distributed_executor_backend=backend, dtype="float32") as llm:
+            out.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+    assert out[0] == out[1]
