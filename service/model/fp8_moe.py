@@ -4,9 +4,10 @@ scales [E, 2I/bn, W/bk] and [E, W/bn, I/bk]).
 - Decode-sized M on a GPU: FP8 variants of moe_kernels' GEMV experts (gate/up with the gated
   activation, the weighted down projection per (token, slot), the slot sum in slot order),
   reading only the chosen experts' FP8 rows and their block scales.
-- More tokens: the layer's experts dequantized to the activation dtype, then the grouped GEMM
-  (static shapes: CUDA graphs keep it) or, on CPU, one matmul chain per active expert. Correct,
-  not fast: a grouped FP8 kernel is the next step for big-batch FP8 decode and prefill.
+- More tokens on a GPU: the grouped GEMM on FP8 tiles (fp8_grouped.py).
+- Otherwise (CPU; a kernel failure): the layer's experts dequantized to the activation dtype,
+  then torch's grouped GEMM (static shapes: CUDA graphs keep it) or, on CPU, one matmul chain
+  per active expert. Correct, not fast.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fp8, moe_kernels
+from . import fp8, fp8_grouped, moe_kernels
 
 triton, tl = fp8.triton, (fp8.tl if fp8.triton is not None else None)
 
@@ -25,6 +26,11 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
     if (moe_kernels.experts_supported(x, module.act_name) and x.dtype in (torch.bfloat16, torch.float16)
             and fp8.triton is not None):
         out = moe_kernels.call(torch.ops.latentserve.fp8_moe_experts, x, w13, s13, w2, s2, weights, ids,
+                               module.act_name, module.act_beta, module.act_linear_beta)
+        if out is not None:
+            return out
+    if fp8_grouped.supported(x, w13, s13, w2, s2, module.act_name):  # more tokens: grouped GEMM on FP8 tiles
+        out = moe_kernels.call(torch.ops.latentserve.fp8_grouped_experts, x, w13, s13, w2, s2, weights, ids,
                                module.act_name, module.act_beta, module.act_linear_beta)
         if out is not None:
             return out

@@ -21,7 +21,7 @@ if not torch.cuda.is_available() and not INTERPRET:
 
 from service import LLM, SamplingParams  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
-from service.model import fp8, fp8_moe, moe_kernels  # noqa: E402,F401 (fp8_moe registers its op)
+from service.model import fp8, fp8_grouped, fp8_moe, moe_kernels  # noqa: E402,F401 (fp8_moe registers its op)
 from service.model.attention import AttnMetadata  # noqa: E402
 from service.model.layers import silu_and_mul, situ_and_mul  # noqa: E402
 from service.weights import export_state  # noqa: E402
@@ -118,6 +118,27 @@ def test_moe_experts_kernel_matches_reference(act, m, shard, width):
     assert moe_kernels.experts_supported(x, act)
     beta, linear_beta = (4.0, 8.0) if act == "situ" else (1.0, None)
     out = torch.ops.latentserve.fp8_moe_experts(x, w13, s13, w2, s2, weights, ids, act, beta, linear_beta)
+    fn = silu_and_mul if act == "silu" else (lambda a, b: situ_and_mul.eager(a, b, beta, linear_beta))
+    ref = experts_reference(x, fmt.dequantize(w13, s13), fmt.dequantize(w2, s2), weights, ids, fn)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2 ** -6 * ref.abs().max().item() + 1e-3, f"max error {err:.3e} (max |ref| {ref.abs().max():.3f})"
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+@pytest.mark.parametrize("m,shard,width", [(24, 256, 512), (64, 128, 200)])
+def test_fp8_grouped_experts_match_reference(act, m, shard, width):
+    """Above the GEMV limit: the grouped GEMM on FP8 tiles (fp8_grouped.py), through FusedExperts'
+    FP8 entry point as the model calls it."""
+    g = torch.Generator().manual_seed(m + shard + width + len(act))
+    experts, top_k = 16, 4
+    w13, s13 = quantized(2 * shard, width, g, experts=experts)
+    w2, s2 = quantized(width, shard, g, experts=experts)
+    x = torch.randn(m, width, generator=g).to(DEVICE, ACT_DTYPE)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)]).to(DEVICE)
+    weights = torch.rand(m, top_k, generator=g).to(DEVICE)
+    assert fp8_grouped.supported(x, w13, s13, w2, s2, act) and not moe_kernels.experts_supported(x, act)
+    beta, linear_beta = (4.0, 8.0) if act == "situ" else (1.0, None)
+    out = torch.ops.latentserve.fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, act, beta, linear_beta)
     fn = silu_and_mul if act == "silu" else (lambda a, b: situ_and_mul.eager(a, b, beta, linear_beta))
     ref = experts_reference(x, fmt.dequantize(w13, s13), fmt.dequantize(w2, s2), weights, ids, fn)
     err = (out.double() - ref).abs().max().item()
