@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
-from . import cpu_kernels, fp8_moe, moe_grouped, moe_kernels
+from . import cpu_kernels, fp8_moe, moe_entry, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, frozen
 
@@ -36,6 +36,12 @@ class TopkRouter(KeepFloat32, nn.Module):
         self.weight = frozen(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype)
         # A weight trainers update (load balancing), hence a parameter, not a buffer.
         self.e_score_correction_bias = frozen(cfg.n_routed_experts, dtype=torch.float32)
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights and ids from fp32 logits computed elsewhere (moe_entry), on the device."""
+        return torch.ops.latentserve.moe_route_select(logits, self.e_score_correction_bias, self.n_group,
+                                                      self.topk_group, self.top_k, self.norm_topk_prob,
+                                                      float(self.scaling), self.softmax)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (weights [M, k] fp32, expert ids [M, k])."""
@@ -210,12 +216,31 @@ class MoE(nn.Module):
             self.tail = tail if tail is not None else TailRunner(layer_idx, tp, "off")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        routed_in = self.routed_expert_down_proj(x) if self.latent else x
-        routed_partial = self.experts(routed_in, weights, ids)
-        shared_partial = (self.shared_experts(x, reduce=False) if self.shared_experts is not None
-                          else torch.zeros_like(x))
+        entry = self._entry(x)
+        if entry is not None:  # one token: router, latent down and shared gate/up in one kernel
+            latent, h, logits = entry
+            weights, ids = self.gate.select(logits)
+            routed_partial = self.experts(latent, weights, ids)
+            shared_partial = self.shared_experts.down_proj(h, reduce=False)
+        else:
+            weights, ids = self.gate(x)
+            routed_in = self.routed_expert_down_proj(x) if self.latent else x
+            routed_partial = self.experts(routed_in, weights, ids)
+            shared_partial = (self.shared_experts(x, reduce=False) if self.shared_experts is not None
+                              else torch.zeros_like(x))
         if not self.latent:
             return self.tp.all_reduce(routed_partial + shared_partial)
         norm_weight = self.routed_expert_norm.weight if self.routed_expert_norm is not None else None
         return self.tail(routed_partial, shared_partial, norm_weight, self.routed_expert_up_proj.weight, self.eps)
+
+    def _entry(self, x: torch.Tensor):
+        """(latent, shared experts' activation, router logits) from one kernel, or None."""
+        shared = self.shared_experts
+        if not (self.latent and shared is not None):
+            return None
+        w_down, w_shared, w_router = self.routed_expert_down_proj.weight, shared.gate_up_proj.weight, self.gate.weight
+        if not (moe_entry.supported(x, w_down, w_shared, w_router, shared.act_name)
+                and moe_kernels.route_supported(x, w_router.shape[0], self.gate.n_group)):
+            return None
+        return moe_kernels.call(torch.ops.latentserve.moe_entry, x, w_down, w_shared, w_router, shared.act_name,
+                                shared.act_beta, shared.act_linear_beta)

@@ -228,7 +228,6 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: i
            norm_topk_prob: bool, scaling: float, softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
     m, hidden = x.shape
     num_experts = weight.shape[0]
-    e_pad = triton.next_power_of_2(num_experts)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(m, top_k, dtype=torch.long, device=x.device)
     if m == 0:
@@ -244,11 +243,18 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: i
     _router_logits_kernel[(m, triton.cdiv(num_experts, 4))](
         x, weight, logits, hidden, num_experts, x.stride(0), weight.stride(0), logits.stride(0),
         BLOCK_E=4, BLOCK_H=block_h, num_warps=4)
-    _route_select_kernel[(m,)](logits, bias, weights, ids, logits.stride(0), float(scaling),
-                               E=num_experts, E_PAD=e_pad, N_GROUP=max(1, n_group),
-                               TOPK_GROUP=max(1, topk_group), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                               NORM=bool(norm_topk_prob), SOFTMAX=bool(softmax), num_warps=4 if e_pad <= 256 else 8)
+    _select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
     return weights, ids
+
+
+def _select(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_group: int,
+            topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, softmax: bool) -> None:
+    num_experts = logits.shape[1]
+    e_pad = triton.next_power_of_2(num_experts)
+    _route_select_kernel[(logits.shape[0],)](
+        logits, bias, weights, ids, logits.stride(0), float(scaling), E=num_experts, E_PAD=e_pad,
+        N_GROUP=max(1, n_group), TOPK_GROUP=max(1, topk_group), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        NORM=bool(norm_topk_prob), SOFTMAX=bool(softmax), num_warps=4 if e_pad <= 256 else 8)
 
 
 def expert_configs(pairs: int) -> tuple[dict, dict]:
@@ -303,6 +309,22 @@ if triton is not None:
     def _(x, weight, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax):
         m = x.shape[0]
         return (x.new_empty(m, top_k, dtype=torch.float32), x.new_empty(m, top_k, dtype=torch.long))
+
+    @torch.library.custom_op("latentserve::moe_route_select", mutates_args=())
+    def route_select(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                     norm_topk_prob: bool, scaling: float, softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The second half of `route`, from fp32 router logits [M, E] computed elsewhere."""
+        m = logits.shape[0]
+        weights = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(m, top_k, dtype=torch.long, device=logits.device)
+        if m:
+            _select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
+        return weights, ids
+
+    @route_select.register_fake
+    def _(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax):
+        m = logits.shape[0]
+        return (logits.new_empty(m, top_k, dtype=torch.float32), logits.new_empty(m, top_k, dtype=torch.long))
 
     @torch.library.custom_op("latentserve::moe_experts", mutates_args=())
     def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -1,0 +1,109 @@
+"""The MoE layer's three reads of its input, in one kernel, for one-token decode steps.
+
+A latent MoE layer starts with three projections of the same normed hidden row: the router's
+logits (fp32), the latent down-projection, and the shared experts' gate/up with their
+activation. On the H200 a 3-8 MB projection costs 4-7 us whoever writes it (bench/RESULTS.md,
+fourth run): the kernel's fixed cost, not bandwidth. So one launch whose programs split the
+three weights' rows between them replaces three launches plus the activation's. Each program
+streams BLOCK_N rows of one weight (for the shared experts: BLOCK_N gate rows and the matching up
+rows, so the activation is in its epilogue) with fp32 accumulation, and rounds as the separate
+ops do: logits in fp32, the latent and the GEMM outputs in the model dtype, then
+`layers.act_and_mul`'s roundings.
+
+A `torch.library` custom op: compiled decoder layers keep it opaque, CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import gemv, moe_kernels
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor,
+              act: str) -> bool:
+    """One row, every weight in x's dtype (not FP8), the three of them gemv-sized; the MoE kernels
+    on (LATENTSERVE_MOE_ENTRY=0 keeps three separate launches: the bench's baseline)."""
+    if os.environ.get("LATENTSERVE_MOE_ENTRY", "1") == "0" or not moe_kernels.enabled():
+        return False
+    if x.dim() != 2 or x.shape[0] != 1 or act not in gemv.ACTS:
+        return False
+    return all(gemv.supported(x, w) for w in (down, shared_gate_up, router))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rows(w_ptr, x_ptr, n, nmask, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += w * xv[None, :]
+        return tl.sum(acc, 1)
+
+    @triton.jit
+    def _entry_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr,
+                      K, L, INTER, E, stride_d, stride_s, stride_r, beta, linear_beta,
+                      ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        p_down = tl.cdiv(L, BLOCK_N)
+        p_shared = tl.cdiv(INTER, BLOCK_N)
+        dtype = latent_ptr.dtype.element_ty
+        if pid < p_down:
+            n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            y = _rows(down_ptr, x_ptr, n, n < L, K, stride_d, BLOCK_N, BLOCK_K)
+            tl.store(latent_ptr + n, y.to(dtype), mask=n < L)
+        elif pid < p_down + p_shared:
+            n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < INTER
+            g = _rows(shared_ptr, x_ptr, n, nmask, K, stride_s, BLOCK_N, BLOCK_K).to(dtype).to(tl.float32)
+            u = _rows(shared_ptr, x_ptr, n + INTER, nmask, K, stride_s, BLOCK_N, BLOCK_K).to(dtype).to(tl.float32)
+            if ACT == 0:  # F.silu(gate) * up in the activation dtype
+                h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
+            else:  # SiTU in fp32, the up input soft-clipped when linear_beta is set
+                h = beta * (2.0 * tl.sigmoid(2.0 * g / beta) - 1.0) * tl.sigmoid(g)
+                if CLIP_UP:
+                    u = linear_beta * (2.0 * tl.sigmoid(2.0 * u / linear_beta) - 1.0)
+                h = h * u
+            tl.store(h_ptr + n, h.to(dtype), mask=nmask)
+        else:
+            n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K), mask=n < E)
+
+    def _entry(x, down, shared_gate_up, router, act, beta, linear_beta):
+        k = x.shape[1]
+        latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
+        latent = torch.empty(1, latent_dim, dtype=x.dtype, device=x.device)
+        h = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+        logits = torch.empty(1, experts, dtype=torch.float32, device=x.device)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        bn, bk = 8, min(512, triton.next_power_of_2(k))
+        grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
+        _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, k, latent_dim, inter, experts,
+                               down.stride(0), shared_gate_up.stride(0), router.stride(0), float(beta),
+                               float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None,
+                               BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
+        return latent, h, logits
+
+    @torch.library.custom_op("latentserve::moe_entry", mutates_args=())
+    def entry(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor, act: str,
+              beta: float, linear_beta: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [1, H] -> (x @ down^T [1, L], act(x @ gate^T) * (x @ up^T) [1, I], fp32 x @ router^T [1, E])."""
+        return _entry(x, down, shared_gate_up, router, act, beta, linear_beta)
+
+    @entry.register_fake
+    def _(x, down, shared_gate_up, router, act, beta, linear_beta):
+        return (x.new_empty(1, down.shape[0]), x.new_empty(1, shared_gate_up.shape[0] // 2),
+                x.new_empty(1, router.shape[0], dtype=torch.float32))

@@ -1,0 +1,80 @@
+"""The MoE entry kernel (service/model/moe_entry.py): latent down-projection, the shared experts'
+gate/up with SiLU/SiTU, and fp32 router logits in one launch, against the separate torch ops and
+a float64 reference; and a latent MoE layer choosing it at one token with the same output as the
+separate path.
+
+Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels interpreted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from service.config import PRESETS  # noqa: E402
+from service.model import layers, moe_entry  # noqa: E402
+from service.model.moe import MoE  # noqa: E402
+from service.parallel import TPGroup  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_entry_matches_separate_ops(act, beta, linear_beta, dtype):
+    g = torch.Generator().manual_seed(7)
+    k, latent, inter, experts = 96, 40, 24, 20  # none a multiple of the 8-row blocks
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    down = (torch.randn(latent, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    shared = (torch.randn(2 * inter, k, generator=g) * 2 / k ** 0.5).to(DEVICE, dtype)
+    router = (torch.randn(experts, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    assert moe_entry.supported(x, down, shared, router, act)
+    lat, h, logits = torch.ops.latentserve.moe_entry(x, down, shared, router, act, beta, linear_beta)
+    assert (lat.dtype, h.dtype, logits.dtype) == (dtype, dtype, torch.float32)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    xd = x.double()
+    torch.testing.assert_close(lat.double(), xd @ down.double().t(), atol=4 * tol, rtol=tol)
+    torch.testing.assert_close(logits.double(), xd @ router.double().t(), atol=1e-5, rtol=1e-5)
+    gu = xd @ shared.double().t()
+    gd, ud = gu[:, :inter], gu[:, inter:]
+    if act == "silu":
+        ref = torch.nn.functional.silu(gd) * ud
+    else:
+        ref = beta * torch.tanh(gd / beta) * torch.sigmoid(gd) * (linear_beta * torch.tanh(ud / linear_beta))
+    torch.testing.assert_close(h.double(), ref, atol=8 * tol, rtol=2 * tol)
+
+
+def test_not_for_more_rows_or_other_dtypes():
+    w = torch.randn(16, 32).to(DEVICE)
+    assert not moe_entry.supported(torch.randn(2, 32).to(DEVICE), w, w, w, "silu")
+    assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w, w, w, "gelu")
+    assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w.to(torch.bfloat16), w, w, "silu")
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny"])
+def test_latent_moe_layer_same_output(preset, monkeypatch):
+    """One token through a latent MoE layer: the entry kernel path equals the separate ops'."""
+    cfg = dataclasses.replace(PRESETS[preset])
+    torch.manual_seed(0)
+    layer = MoE(cfg, TPGroup.single(), layer_idx=1, dtype=torch.float32, tail=None).to(DEVICE)
+    for name, p in layer.named_parameters():
+        p.data = (torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1)).to(p.dtype)
+        if name.endswith("norm.weight"):
+            p.data = 1.0 + p.data
+    x = torch.randn(1, cfg.hidden_size).to(DEVICE)
+    assert layer._entry(x) is not None
+    fused = layer(x)
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY", "0")
+    assert layer._entry(x) is None
+    separate = layer(x)
+    torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-4)
+    assert layers.act_params(cfg)[0] == "situ"
