@@ -229,7 +229,9 @@ def test_failed_sleep_on_one_rank_is_rolled_back(admin, reference):
 def test_rank_deadline_miss_is_504_and_rolled_back(admin, reference):
     with pytest.raises(ServiceError, match="deadline") as e:
         admin.sleep(1, timeout=0.0001)
-    assert e.value.status == 504 and all(r.get("timeout") for r in e.value.ranks)
+    # A rank may finish inside even this deadline (its call is sent first); the others miss it.
+    assert e.value.status == 504 and any(r.get("timeout") for r in e.value.ranks)
+    assert all(r.get("timeout") or r.get("ok") for r in e.value.ranks)
     assert not admin.is_sleeping()
     assert generate(admin)[0] == reference
 
