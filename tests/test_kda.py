@@ -150,7 +150,7 @@ def test_parameters_state_shapes_and_fp32_tensors():
     assert layer.dt_bias.dtype == layer.A_log.dtype == torch.float32
     assert layer.q_proj.weight.dtype == torch.bfloat16
     assert "g_proj.weight" in dict(KimiDeltaAttention(K3, TPGroup.single(), 0, torch.float32).named_parameters())
-    assert kda_state_shapes(cfg, 2) == {"conv": ((3 * half, w - 1), None), "recurrent": ((heads // 2, d, d),
+    assert kda_state_shapes(cfg, 2) == {"conv": ((3 * half, w - 1), torch.float32), "recurrent": ((heads // 2, d, d),
                                                                                         torch.float32)}
     with pytest.raises(ConfigError):
         kda_state_shapes(cfg, 3)

@@ -44,7 +44,7 @@ SOFTPLUS_THRESHOLD = 20.0
 class KDAState:
     """One KDA layer's per-sequence state cache; rows are indexed by state slot."""
 
-    conv: torch.Tensor  # [S, 3*H_local*D, conv_size-1] model dtype: last pre-conv q|k|v inputs
+    conv: torch.Tensor  # [S, 3*H_local*D, conv_size-1] fp32: last pre-conv q|k|v inputs (model-dtype values)
     recurrent: torch.Tensor  # [S, H_local, D, D] float32: S[key_dim, value_dim]
 
 
@@ -54,7 +54,10 @@ def kda_state_shapes(cfg: ModelConfig, tp_world_size: int) -> dict[str, tuple[tu
     if heads % tp_world_size:
         raise ConfigError(f"linear_attn_config.num_heads={heads} is not divisible by TP size {tp_world_size}")
     local = heads // tp_world_size
-    return {"conv": ((3 * local * d, cfg.kda_conv_size - 1), None),
+    # The conv window holds model-dtype values but is stored in fp32 like the recurrent rows: the
+    # decode graphs' compiled KDA layer mutates both, and aot_autograd refuses mutated inputs that
+    # alias one pool chunk with different dtypes. Exact (bf16 -> fp32 -> bf16), 3% more state.
+    return {"conv": ((3 * local * d, cfg.kda_conv_size - 1), torch.float32),
             "recurrent": ((local, d, d), torch.float32)}
 
 
