@@ -188,7 +188,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     # The scales are indexed per element (k // BK), so the K tile need not match the block.
     _w8a16_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
                         out.stride(0), BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
-                        num_warps=4, num_stages=3)
+                        num_warps=4, num_stages=3 if block_n <= 64 else 2)  # 64 x 128 tiles at 3 stages: 240 KB
     return out
 
 
