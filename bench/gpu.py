@@ -211,6 +211,9 @@ def decode_llm(args, **kw) -> LLM:
     """The decode bench's engine, with real numbers in every KV slot a context reads; graphs
     captured at exactly the benched batch sizes."""
     t0 = time.perf_counter()
+    # Kernel switches (LATENTSERVE_*) are read while dynamo traces, and it does not guard on them:
+    # a build after another in this process would replay the earlier build's compiled layers.
+    torch._dynamo.reset()
     llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
                    cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
     build = (f"compile={os.environ.get('LATENTSERVE_COMPILE', 'layers')},"
