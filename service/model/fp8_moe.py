@@ -24,7 +24,7 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
     """FusedExperts.forward for FP8 weights: this rank's partial sum over experts [M, W]."""
     w13, w2, s13, s2 = module.w13, module.w2, module.w13_scale_inv, module.w2_scale_inv
     if (moe_kernels.experts_supported(x, module.act_name) and x.dtype in (torch.bfloat16, torch.float16)
-            and fp8.triton is not None):
+            and fp8.triton is not None and _k_blocks(w13, s13, w2, s2) >= 16):
         out = moe_kernels.call(torch.ops.latentserve.fp8_moe_experts, x, w13, s13, w2, s2, weights, ids,
                                module.act_name, module.act_beta, module.act_linear_beta)
         if out is not None:
@@ -56,6 +56,13 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
     return y.view(m, k, -1).sum(dim=1).to(x.dtype)
 
 
+def _k_blocks(w13, s13, w2, s2) -> int:
+    """The narrower scale block along K of w13 and w2: the kernels' K steps (up to 128) lie
+    inside one, and tl.arange/the reductions want at least 16."""
+    return min(fp8.fmt.implied_block(tuple(w13.shape), tuple(s13.shape))[1],
+               fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))[1])
+
+
 def _grouped_mm_fast(x: torch.Tensor) -> bool:
     """As moe.grouped_mm_fast (not imported: moe imports this module)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
@@ -75,8 +82,10 @@ if triton is not None:
         t = p // TOP_K
         expert = tl.load(ids_ptr + p).to(tl.int64)
         w_rows = w13_ptr + expert * stride_we + n[:, None] * stride_wn
-        s_gate = s13_ptr + expert * stride_se + (n // BN)[:, None] * stride_sn
-        s_up = s13_ptr + expert * stride_se + ((n + shard) // BN)[:, None] * stride_sn
+        # BLOCK_K divides BK: each K step lies in one scale block, one scale per row per step
+        # (a per-element fp32 scale tile would be read 4x the FP8 weight's bytes).
+        s_gate = s13_ptr + expert * stride_se + (n // BN) * stride_sn
+        s_up = s13_ptr + expert * stride_se + ((n + shard) // BN) * stride_sn
         acc_g = tl.zeros([BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, width, BLOCK_K):
@@ -84,12 +93,10 @@ if triton is not None:
             kmask = k < width
             xv = tl.load(x_ptr + t * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
             m2 = nmask[:, None] & kmask[None, :]
-            kb = (k // BK)[None, :]
-            wg = tl.load(w_rows + k[None, :], mask=m2, other=0.0).to(tl.float32) * tl.load(s_gate + kb, mask=m2, other=0.0)
-            wu = (tl.load(w_rows + shard * stride_wn + k[None, :], mask=m2, other=0.0).to(tl.float32)
-                  * tl.load(s_up + kb, mask=m2, other=0.0))
-            acc_g += tl.sum(wg * xv[None, :], 1)
-            acc_u += tl.sum(wu * xv[None, :], 1)
+            wg = tl.load(w_rows + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(w_rows + shard * stride_wn + k[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * xv[None, :], 1) * tl.load(s_gate + k0 // BK, mask=nmask, other=0.0)
+            acc_u += tl.sum(wu * xv[None, :], 1) * tl.load(s_up + k0 // BK, mask=nmask, other=0.0)
         dtype = h_ptr.dtype.element_ty
         g = acc_g.to(dtype).to(tl.float32)
         u = acc_u.to(dtype).to(tl.float32)
@@ -117,9 +124,8 @@ if triton is not None:
             m2 = nmask[:, None] & kmask[None, :]
             hv = tl.load(h_ptr + p * stride_h + k, mask=kmask, other=0.0).to(tl.float32)
             wv = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :], mask=m2, other=0.0)
-            sv = tl.load(s2_ptr + expert * stride_se + (n // BN)[:, None] * stride_sn + (k // BK)[None, :],
-                         mask=m2, other=0.0)
-            acc += wv.to(tl.float32) * sv * hv[None, :]
+            sv = tl.load(s2_ptr + expert * stride_se + (n // BN) * stride_sn + k0 // BK, mask=nmask, other=0.0)
+            acc += wv.to(tl.float32) * sv[:, None] * hv[None, :]
         y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + p)
         tl.store(part_ptr + p * stride_p + n, y, mask=nmask)
 
@@ -140,12 +146,12 @@ def _experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, linear_be
     _gate_up_fp8_kernel[(m * top_k, triton.cdiv(shard, block_n))](
         x, w13, s13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), float(beta), float(linear_beta or 1.0), BN=bn, BK=bk, TOP_K=top_k, ACT=moe_kernels.ACTS[act],
-        CLIP_UP=linear_beta is not None, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+        CLIP_UP=linear_beta is not None, BLOCK_N=block_n, BLOCK_K=min(128, bk), num_warps=4)
     bn2, bk2 = fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))
     part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
     _down_fp8_kernel[(m * top_k, triton.cdiv(width_out, 32))](
         h, w2, s2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), part.stride(0), BN=bn2, BK=bk2, BLOCK_N=32, BLOCK_K=128, num_warps=4)
+        s2.stride(1), part.stride(0), BN=bn2, BK=bk2, BLOCK_N=32, BLOCK_K=min(128, bk2), num_warps=4)
     moe_kernels._slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](
         part, out, width_out, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024, num_warps=4)
     return out
