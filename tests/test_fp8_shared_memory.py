@@ -1,0 +1,71 @@
+"""The FP8 Triton kernels' launch shapes fit an H200's shared memory (227 KB per block), checked
+without a GPU: each is compiled for sm_90 (Triton's CUDA backend and its bundled ptxas) with the
+GPU launch's specialisation (16-divisible pointers, strides and sizes: what lets Triton pipeline
+the loads) and the compiler's shared-memory size is read back. The W8A16 kernel's per-element
+fp32 scale tile needed 240 KB at 64 x 128 tiles and 3 stages, and failed there at run time.
+
+Run with a Triton install (the CPU venv has none: PYTHONPATH=/tmp/tritonpath here)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+
+from triton.backends import Backend, backends  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from service.model import fp8, fp8_grouped, fp8_moe, moe_grouped  # noqa: E402
+
+H200_SHARED = 232448  # bytes per block, opt-in maximum of sm_90
+POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16", "w_ptr": "fp8e4nv",
+            "w13_ptr": "fp8e4nv", "w2_ptr": "fp8e4nv", "a_ptr": "fp8e4nv", "q_ptr": "fp8e4nv", "ids_ptr": "i32",
+            "sorted_ptr": "i32", "block_expert_ptr": "i32", "used_ptr": "i32"}  # others: fp32
+BLOCKS = dict(BN=128, BK=128)
+
+
+def shared_bytes(kernel, consts: dict, num_warps: int, num_stages: int) -> int:
+    if "nvidia" not in backends:  # no GPU driver here, so the backend was not discovered
+        from triton.backends.nvidia.driver import CudaDriver
+        backends["nvidia"] = Backend(compiler=nvidia.CUDABackend, driver=CudaDriver)
+    names = kernel.arg_names
+    sig, attrs = {}, {}
+    for i, a in enumerate(names):
+        sig[a] = ("constexpr" if a in consts else "*" + POINTERS.get(a, "fp32") if a.endswith("_ptr")
+                  else "fp32" if a in ("beta", "linear_beta") else "i32")
+        if sig[a] not in ("constexpr", "fp32"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+    except RuntimeError as e:  # e.g. no ptxas in this install
+        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    return compiled.metadata.shared
+
+
+# fp8._linear's W8A16 tiles (BLOCK_M by rows, BLOCK_N 64 up to 64 rows, else 128) and W8A8's.
+LAUNCHES = [(f"w8a16 {bm}x{bn}", lambda bm=bm, bn=bn: (fp8._w8a16_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=bn,
+                                                                                  BLOCK_K=128), 4, 3))
+            for bm, bn in [(16, 64), (32, 64), (64, 64), (64, 128)]]
+LAUNCHES += [(f"w8a8 {bm}x128", lambda bm=bm: (fp8._w8a8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=128),
+                                               8 if bm == 128 else 4, 3)) for bm in (64, 128)]
+LAUNCHES += [("gemv 8 rows", lambda: (fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=8, BLOCK_N=64, BLOCK_K=128), 4, 3)),
+             ("moe gate/up", lambda: (fp8_moe._gate_up_fp8_kernel, dict(BLOCKS, TOP_K=8, ACT=1, CLIP_UP=True,
+                                                                        BLOCK_N=32, BLOCK_K=128), 4, 3)),
+             ("moe down", lambda: (fp8_moe._down_fp8_kernel, dict(BLOCKS, BLOCK_N=32, BLOCK_K=128), 4, 3))]
+for _row in moe_grouped.CONFIGS:
+    _bm, _bn, _bk, _nw, _ns = _row[1:]
+    LAUNCHES += [(f"grouped gate/up {_row[1:]}", lambda bm=_bm, bn=_bn, bk=_bk, nw=_nw, ns=_ns: (
+        fp8_grouped._gate_up_fp8_kernel, dict(BLOCKS, TOP_K=8, ACT=1, CLIP_UP=True, BLOCK_M=bm, BLOCK_N=bn,
+                                              BLOCK_K=bk), nw, ns)),
+                 (f"grouped down {_row[1:]}", lambda bm=_bm, bn=_bn, bk=_bk, nw=_nw, ns=_ns: (
+                     fp8_grouped._down_fp8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), nw, ns))]
+
+
+@pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])
+def test_fp8_kernel_fits_h200_shared_memory(name, launch):
+    used = shared_bytes(*launch())
+    assert used <= H200_SHARED, f"{name}: {used} bytes of shared memory, the H200 has {H200_SHARED}"
