@@ -185,24 +185,25 @@ def dequantized_logits(fp8_llm: LLM, plain_llm: LLM, toks: list[int]) -> torch.T
 LONG_PROMPT = [(i * 53) % 1000 + 4 for i in range(80)]
 
 
-@pytest.mark.parametrize("toks", [PROMPTS[-1], LONG_PROMPT], ids=["20", "80"])
-def test_fp8_engine_matches_its_dequantized_weights(toks):
+def test_fp8_engine_matches_its_dequantized_weights():
     """The FP8 engine's logits against the same model holding the dequantized weights, every
     layer dense (first_k_dense_replace = all): a routed model is no test of the kernels, its
     top-k choices flip on rounding-sized differences (weights rounded to bf16 alone move this
     tiny MoE model's fp32 logits by 0.97 of 4.6, the dense one's by 0.07). On CUDA (bf16) or
-    interpreted (fp16); no kernel may have fallen back."""
+    interpreted (fp16); no kernel may have fallen back. Eager: the forward here is a prefill."""
     dense = {"first_k_dense_replace": 4}
-    fp8_llm, plain_llm = make_llm(dense, quantization="fp8"), make_llm(dense)
+    fp8_llm, plain_llm = make_llm(dense, quantization="fp8", enforce_eager=True), make_llm(dense, enforce_eager=True)
     try:
         assert fp8_llm.executor.rank0.model.model.layers[1].self_attn.q_b_proj.weight.dtype == fmt.FP8
         assert moe_kernels.failure() is None
-        l8 = logits(fp8_llm.executor.rank0.model, toks)
-        lfq = dequantized_logits(fp8_llm, plain_llm, toks)
-        err, scale = (l8 - lfq).abs().max().item(), lfq.abs().max().item()
-        print(f"\nFP8 engine vs its dequantized weights ({len(toks)} tokens): max error {err:.4f} (max |logit| {scale:.3f})")
-        assert moe_kernels.failure() is None, f"an FP8 kernel failed and fell back: {moe_kernels.failure()}"
-        assert err < 0.05 * scale + 0.05, "the FP8 kernels differ from their dequantized weights"
+        for toks in (PROMPTS[-1], LONG_PROMPT):
+            l8 = logits(fp8_llm.executor.rank0.model, toks)
+            lfq = dequantized_logits(fp8_llm, plain_llm, toks)
+            err, scale = (l8 - lfq).abs().max().item(), lfq.abs().max().item()
+            print(f"\nFP8 engine vs its dequantized weights ({len(toks)} tokens): max error {err:.4f} "
+                  f"(max |logit| {scale:.3f})")
+            assert moe_kernels.failure() is None, f"an FP8 kernel failed and fell back: {moe_kernels.failure()}"
+            assert err < 0.05 * scale + 0.05, "the FP8 kernels differ from their dequantized weights"
     finally:
         fp8_llm.shutdown()
         plain_llm.shutdown()
