@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from service.model import moe_kernels
+from service.model.kernel_guard import KernelGuard
 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(moe_kernels, "_verified", set())
-    monkeypatch.setattr(moe_kernels, "_failure", None)
+    monkeypatch.setattr(moe_kernels, "GUARD", KernelGuard("moe_kernels"))
 
 
 def test_first_call_failure_turns_the_kernels_off(fresh):

@@ -25,14 +25,12 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-from ..log import get_logger
+from .kernel_guard import KernelGuard
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-log = get_logger("gemv")
-_verified: set[str] = set()  # ops that ran once in this process
 ACTS = {"silu": 0, "situ": 1}
-_failure: str | None = None  # why the kernel is off for good in this process
+GUARD = KernelGuard("gemv")  # a first-call failure turns the GEMVs off: cuBLAS then
 
 
 def max_rows() -> int:
@@ -54,7 +52,7 @@ def gated_enabled() -> bool:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if triton is None or _failure is not None or not (x.is_cuda or INTERPRET) or weight.dim() != 2:
+    if triton is None or GUARD.failure is not None or not (x.is_cuda or INTERPRET) or weight.dim() != 2:
         return False
     rows = x.numel() // max(1, x.shape[-1])
     return (0 < rows <= max_rows() and x.dtype == weight.dtype and x.dtype in _DTYPES
@@ -62,21 +60,9 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def run(op, *args) -> torch.Tensor | None:
-    """op(*args) (`gemv` or `gated_gemv`), or None when a first call in this process fails (a
-    Triton build or launch error on this GPU): the kernels are then off for good (logged) and
-    callers use cuBLAS."""
-    global _failure
-    name = str(op)
-    if name in _verified or torch.compiler.is_compiling():
-        return op(*args)
-    try:
-        out = op(*args)
-    except Exception as e:  # noqa: BLE001 - any build/launch failure of the first call
-        _failure = f"{name}: {type(e).__name__}: {e}"[:500]
-        log.error("gemv_off", error=_failure)
-        return None
-    _verified.add(name)
-    return out
+    """op(*args) (`gemv` or `gated_gemv`), or None when its first call in this process fails
+    (`KernelGuard`): callers then use cuBLAS."""
+    return GUARD.call(op, *args)
 
 
 _SMS: dict[int, int] = {}

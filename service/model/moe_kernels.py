@@ -29,6 +29,7 @@ import os
 import torch
 
 from ..log import get_logger
+from .kernel_guard import KernelGuard
 
 try:
     import triton
@@ -39,35 +40,22 @@ except ImportError:  # CPU-only installs
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 ACTS = {"silu": 0, "situ": 1}
 log = get_logger("moe_kernels")
-_verified: set[str] = set()  # kernels that ran once in this process
-_failure: str | None = None  # why they are off for good, if they failed to build or launch
+GUARD = KernelGuard("moe_kernels")  # a first-call failure turns the router and expert kernels off
 
 
 def enabled() -> bool:
     """LATENTSERVE_MOE_KERNELS=0 keeps the torch router and experts (the bench's baseline)."""
-    return _failure is None and os.environ.get("LATENTSERVE_MOE_KERNELS", "1") != "0"
+    return GUARD.failure is None and os.environ.get("LATENTSERVE_MOE_KERNELS", "1") != "0"
 
 
 def failure() -> str | None:
-    return _failure
+    return GUARD.failure
 
 
 def call(op, *args):
-    """`op(*args)`, or None when its first call in this process fails (a Triton build or launch
-    error on this GPU): the kernels are then off for good (logged) and the caller's torch path
-    runs, so a kernel problem costs speed, never a request. Later errors propagate."""
-    global _failure
-    name = str(op)
-    if name in _verified or torch.compiler.is_compiling():
-        return op(*args)
-    try:
-        out = op(*args)
-    except Exception as e:  # noqa: BLE001 - any build/launch failure of the first call
-        _failure = f"{name}: {type(e).__name__}: {e}"[:500]
-        log.error("moe_kernels_off", error=_failure)
-        return None
-    _verified.add(name)
-    return out
+    """`op(*args)`, or None when its first call in this process fails (`KernelGuard`): then the
+    caller's torch path runs."""
+    return GUARD.call(op, *args)
 
 
 def gemv_max_tokens() -> int:

@@ -23,6 +23,7 @@ if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 
 from service.model import moe_grouped, moe_kernels  # noqa: E402
+from service.model.kernel_guard import KernelGuard  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -202,8 +203,7 @@ def test_above_max_tokens_only_where_torch_has_no_fast_grouped_gemm(monkeypatch)
 
 
 def test_first_call_failure_falls_back_to_the_torch_path(monkeypatch):
-    monkeypatch.setattr(moe_kernels, "_verified", set())
-    monkeypatch.setattr(moe_kernels, "_failure", None)
+    monkeypatch.setattr(moe_kernels, "GUARD", KernelGuard("moe_kernels"))
 
     def broken(*args, **kwargs):
         raise RuntimeError("PTX assembly failed")
