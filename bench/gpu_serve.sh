@@ -5,7 +5,7 @@
 #   device run, carry [".whl"]:  bash bench/gpu_serve.sh [serve|prefill|both] [extra bench/serve.py options]
 #
 # The GPU image has no FastAPI, uvicorn, pydantic, starlette or opentelemetry-api: they travel as
-# wheels in .whl/ (ignored by git: the lead's checkout has them), installed to /tmp/site first.
+# wheels in .whl/ (ignored by git; `bash bench/gpu_wheels.sh` downloads them), installed to /tmp/site first.
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
