@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..weights.fp8 import FP8, implied_block
-from . import moe_grouped, moe_kernels
+from . import act_kernels, moe_grouped, moe_kernels
 from .moe_kernels import ACTS, triton
 
 if triton is not None:
@@ -68,15 +68,7 @@ if triton is not None:
             su = tl.load(su_ptr + k0 // BK, mask=nmask, other=0.0)
             acc_g += tl.dot(xv, wg) * sg[None, :]
             acc_u += tl.dot(xv, wu) * su[None, :]
-        g = acc_g.to(dtype).to(tl.float32)  # the GEMM's output rounding
-        u = acc_u.to(dtype).to(tl.float32)
-        if ACT == 0:
-            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
-        else:
-            h = beta * moe_kernels._tanh(g / beta) * tl.sigmoid(g)
-            if CLIP_UP:
-                u = linear_beta * moe_kernels._tanh(u / linear_beta)
-            h = h * u
+        h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + n[None, :], h.to(dtype),
                  mask=valid[:, None] & nmask[None, :])
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fp8, fp8_grouped, moe_kernels
+from . import act_kernels, fp8, fp8_grouped, moe_kernels
 
 triton, tl = fp8.triton, (fp8.tl if fp8.triton is not None else None)
 
@@ -98,15 +98,7 @@ if triton is not None:
             acc_g += tl.sum(wg * xv[None, :], 1) * tl.load(s_gate + k0 // BK, mask=nmask, other=0.0)
             acc_u += tl.sum(wu * xv[None, :], 1) * tl.load(s_up + k0 // BK, mask=nmask, other=0.0)
         dtype = h_ptr.dtype.element_ty
-        g = acc_g.to(dtype).to(tl.float32)
-        u = acc_u.to(dtype).to(tl.float32)
-        if ACT == 0:
-            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
-        else:
-            h = beta * moe_kernels._tanh(g / beta) * tl.sigmoid(g)
-            if CLIP_UP:
-                u = linear_beta * moe_kernels._tanh(u / linear_beta)
-            h = h * u
+        h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + p * stride_h + n, h.to(dtype), mask=nmask)
 
     @triton.jit

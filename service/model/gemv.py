@@ -25,11 +25,12 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+from . import act_kernels
+from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ACTS = {"silu": 0, "situ": 1}
 GUARD = KernelGuard("gemv")  # a first-call failure turns the GEMVs off: cuBLAS then
 
 
@@ -105,9 +106,6 @@ if triton is not None:
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
-    @triton.jit
-    def _tanh(y):
-        return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
     def _gated_gemv_kernel(x_ptr, w_ptr, h_ptr, M, INTER, K, stride_x, stride_w, stride_h, beta, linear_beta,
@@ -133,15 +131,7 @@ if triton is not None:
             acc_g += tl.sum(xv[:, None, :] * wg[None, :, :], 2)
             acc_u += tl.sum(xv[:, None, :] * wu[None, :, :], 2)
         dtype = h_ptr.dtype.element_ty
-        g = acc_g.to(dtype).to(tl.float32)
-        u = acc_u.to(dtype).to(tl.float32)
-        if ACT == 0:  # F.silu(gate) * up in the activation dtype
-            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
-        else:  # SiTU in fp32, the up input soft-clipped when linear_beta is set
-            h = beta * _tanh(g / beta) * tl.sigmoid(g)
-            if CLIP_UP:
-                u = linear_beta * _tanh(u / linear_beta)
-            h = h * u
+        h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
 
     def config(m: int, n: int, k: int, sms: int) -> dict:

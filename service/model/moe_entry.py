@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import gemv, moe_kernels
+from . import act_kernels, gemv, moe_kernels
 
 try:
     import triton
@@ -80,15 +80,7 @@ if triton is not None:
                 xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
                 acc_g += tl.load(rows + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xv[None, :]
                 acc_u += tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xv[None, :]
-            g = tl.sum(acc_g, 1).to(dtype).to(tl.float32)
-            u = tl.sum(acc_u, 1).to(dtype).to(tl.float32)
-            if ACT == 0:  # F.silu(gate) * up in the activation dtype
-                h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
-            else:  # SiTU in fp32, the up input soft-clipped when linear_beta is set
-                h = beta * (2.0 * tl.sigmoid(2.0 * g / beta) - 1.0) * tl.sigmoid(g)
-                if CLIP_UP:
-                    u = linear_beta * (2.0 * tl.sigmoid(2.0 * u / linear_beta) - 1.0)
-                h = h * u
+            h = act_kernels.gated(tl.sum(acc_g, 1), tl.sum(acc_u, 1), beta, linear_beta, dtype, ACT, CLIP_UP)
             tl.store(h_ptr + n, h.to(dtype), mask=nmask)
         else:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)

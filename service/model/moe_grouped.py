@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from . import moe_kernels
+from . import act_kernels, moe_kernels
 from .moe_kernels import ACTS, INTERPRET, triton
 
 if triton is not None:
@@ -126,9 +126,6 @@ if triton is not None:
                 tl.store(block_expert_ptr + start // BLOCK_M + blk, tl.zeros([CHUNK], tl.int32) + expert,
                          mask=blk < nblocks)
 
-    @triton.jit
-    def _tanh(y):
-        return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, used_ptr, h_ptr, num_pairs, width, shard,
@@ -178,15 +175,7 @@ if triton is not None:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
         dtype = h_ptr.dtype.element_ty
-        g = acc_g.to(dtype).to(tl.float32)  # the GEMM's output rounding
-        u = acc_u.to(dtype).to(tl.float32)
-        if ACT == 0:  # SiLU, rounded as F.silu(gate) * up in the activation dtype
-            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
-        else:  # SiTU in fp32, the up input soft-clipped when linear_beta is set
-            h = beta * _tanh(g / beta) * tl.sigmoid(g)
-            if CLIP_UP:
-                u = linear_beta * _tanh(u / linear_beta)
-            h = h * u
+        h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + n[None, :], h.to(dtype),
                  mask=valid[:, None] & nmask[None, :])
 

@@ -28,7 +28,8 @@ import os
 
 import torch
 
-from ..log import get_logger
+from . import act_kernels
+from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
 try:
@@ -38,8 +39,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-ACTS = {"silu": 0, "situ": 1}
-log = get_logger("moe_kernels")
 GUARD = KernelGuard("moe_kernels")  # a first-call failure turns the router and expert kernels off
 
 
@@ -79,9 +78,6 @@ def experts_supported(x: torch.Tensor, act: str) -> bool:
 
 if triton is not None:
 
-    @triton.jit
-    def _tanh(y):
-        return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
     def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, hidden, num_experts, stride_x, stride_w, stride_l,
@@ -169,15 +165,7 @@ if triton is not None:
             acc_g += tl.sum(wg * xv[None, :], 1)
             acc_u += tl.sum(wu * xv[None, :], 1)
         dtype = h_ptr.dtype.element_ty
-        g = acc_g.to(dtype).to(tl.float32)  # the GEMM's output rounding
-        u = acc_u.to(dtype).to(tl.float32)
-        if ACT == 0:  # SiLU, rounded as F.silu(gate) * up in the activation dtype
-            h = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u
-        else:  # SiTU in fp32, the up input soft-clipped when linear_beta is set
-            h = beta * _tanh(g / beta) * tl.sigmoid(g)
-            if CLIP_UP:
-                u = linear_beta * _tanh(u / linear_beta)
-            h = h * u
+        h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + p * stride_h + n, h.to(dtype), mask=nmask)
 
     @triton.jit
