@@ -17,7 +17,7 @@ from ..parallel import TPGroup
 from ..tail.base import TailRunner
 from . import cpu_kernels, fp8_moe, moe_entry, moe_grouped, moe_kernels
 from .fusion import fused
-from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, frozen
+from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, act_params, frozen
 
 
 class TopkRouter(KeepFloat32, nn.Module):
@@ -92,10 +92,7 @@ class FusedExperts(nn.Module):
         num_experts = cfg.n_routed_experts
         shard = cfg.moe_intermediate_size // tp.world_size
         self.act = act_and_mul(cfg)
-        self.act_name = cfg.hidden_act
-        self.act_beta = float(cfg.activation_situ_beta or 1.0) if cfg.hidden_act == "situ" else 1.0
-        linear_beta = cfg.activation_situ_linear_beta if cfg.hidden_act == "situ" else None
-        self.act_linear_beta = float(linear_beta) if linear_beta is not None else None
+        self.act_name, self.act_beta, self.act_linear_beta = act_params(cfg)
         self.num_experts = num_experts
         self.shard = shard
         self.w13 = frozen(num_experts, 2 * shard, width, dtype=dtype)
