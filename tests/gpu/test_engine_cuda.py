@@ -128,10 +128,11 @@ def test_seeded_sampling_on_cuda_is_reproducible():
     assert all(0 <= t < 1024 for seq in a for t in seq)
 
 
-def cycle_checks(llm: LLM, base, ptrs, graph_ids, what: str) -> None:
+def cycle_checks(llm: LLM, base, ptrs, graph_ids, what: str, run=generate) -> None:
+    """After a sleep cycle: `run`'s tokens, pool addresses and graphs as before, graphs replayed."""
     g = graphs(llm)
     before = g.replays
-    assert tokens(generate(llm)) == base, f"tokens changed after {what}"
+    assert tokens(run(llm)) == base, f"tokens changed after {what}"
     assert llm.collective_rpc("data_ptrs")[0] == ptrs, f"pool addresses moved after {what}"
     assert g.replays > before, f"no graph replay after {what}"
     assert g.stats()["graph_ids"] == graph_ids and g.captures == len(graph_ids), f"graphs recaptured after {what}"

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from test_engine_cuda import compare, graphs, tokens  # noqa: E402
+from test_engine_cuda import compare, cycle_checks, graphs, tokens  # noqa: E402
 
 # MLA widths the Triton decode kernel takes; weights large enough for clear greedy margins.
 OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
@@ -97,15 +97,6 @@ def test_k3_greedy_in_graphs_matches_eager(eager_fp32, dtype, floor, max_noise):
         assert len(rep["divergences"]) <= 1, f"fp32 parts at more than one near-tie: {rep['divergences']}"
 
 
-def cycle_checks(llm: LLM, base, ptrs, graph_ids, what: str) -> None:
-    g = graphs(llm)
-    before = g.replays
-    assert tokens(generate(llm)) == base, f"tokens changed after {what}"
-    assert llm.collective_rpc("data_ptrs")[0] == ptrs, f"pool addresses moved after {what}"
-    assert g.replays > before, f"no graph replay after {what}"
-    assert g.stats()["graph_ids"] == graph_ids and g.captures == len(graph_ids), f"graphs recaptured after {what}"
-
-
 def test_k3_sleep_cycles_replay_the_graphs_captured_once():
     llm = make_llm("bfloat16", enable_sleep_mode=True, sleep_preserve_parameter_names=["*"])
     try:
@@ -114,10 +105,10 @@ def test_k3_sleep_cycles_replay_the_graphs_captured_once():
         graph_ids = graphs(llm).stats()["graph_ids"]
         llm.sleep(1)
         llm.wake_up()
-        cycle_checks(llm, base, ptrs, graph_ids, "level 1")
+        cycle_checks(llm, base, ptrs, graph_ids, "level 1", run=generate)
         report = llm.sleep(2)[0]
         assert report["weights_valid"], "every parameter is preserved: level 2 may drop only the KV cache"
         llm.wake_up()
-        cycle_checks(llm, base, ptrs, graph_ids, "level 2")
+        cycle_checks(llm, base, ptrs, graph_ids, "level 2", run=generate)
     finally:
         llm.shutdown()
