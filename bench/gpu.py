@@ -167,6 +167,11 @@ def active_expert_bytes(worker, chunks) -> tuple[int, int]:
     return sum(seen), len(seen)
 
 
+def step_bytes(floor: dict) -> int:
+    """What a step must read (step_floor_bytes' parts): its floor is this over the bandwidth."""
+    return floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+
+
 def step_floor_bytes(worker, chunks) -> dict:
     from service.model.moe import FusedExperts
 
@@ -245,7 +250,7 @@ def bench_k3(args, bw: float) -> None:
     for batch in batches:
         chunks = decode_chunks(batch, args.context, llm.config.block_size)
         floor = step_floor_bytes(worker, chunks)
-        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        need = step_bytes(floor)
         plan = StepPlan(chunks)
         with torch.inference_mode():
             worker.execute(plan)
@@ -270,7 +275,7 @@ def bench_k3_graphs(args, bw: float) -> None:
     for batch in batches:
         chunks = decode_chunks(batch, args.context, llm.config.block_size)
         floor = step_floor_bytes(worker, chunks)
-        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        need = step_bytes(floor)
         plan = StepPlan(chunks)
         with torch.inference_mode():
             graph_ms = nan
@@ -367,7 +372,7 @@ def bench_decode(args, bw: float) -> LLM:
     for batch in args.batches:
         chunks = decode_chunks(batch, args.context, bs)
         floor = step_floor_bytes(worker, chunks)
-        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        need = step_bytes(floor)
         row = {"batch": batch, "context": args.context, "bytes": need, "floor_ms": need / bw * 1e3,
                "all_weights_floor_ms": (floor["dense"] + floor["experts_all"] + floor["kv"]) / bw * 1e3, **floor}
         plan = StepPlan(chunks)
@@ -458,7 +463,7 @@ def bench_fp8(args, bw: float, ref_logits: dict | None) -> None:
     for batch in args.batches:
         chunks = decode_chunks(batch, args.context, llm.config.block_size)
         floor = step_floor_bytes(worker, chunks)
-        need = floor["dense"] + floor["experts_read"] + floor["kv"] + floor["embed_rows"]
+        need = step_bytes(floor)
         plan = StepPlan(chunks)
         with torch.inference_mode():
             worker.execute(plan)
