@@ -470,6 +470,11 @@ def bench_fp8(args, bw: float, ref_logits: dict | None) -> None:
             ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
         rows.append({"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": ms,
                      "floor_fraction": need / bw * 1e3 / ms, **floor})
+        if batch in args.profile_batches and worker.decode_graphs is not None:
+            prof = profile_replay(worker.decode_graphs, batch, len(worker.model.layers))
+            rows[-1]["kernels_per_layer"] = prof["kernels_per_layer"]
+            print(f"FP8 graph replay, batch {batch}: {prof['kernels']} kernels "
+                  f"({prof['kernels_per_layer']:.1f} per layer), {prof['device_ms']:.2f} ms of device time\n{prof['table']}")
         log(f"fp8 decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()})}")
     out = {"decode": rows, "graphs": worker.decode_graphs.stats() if worker.decode_graphs else "off"}
     if ref_logits is not None:

@@ -234,6 +234,14 @@ class DecodeGraphs:
             layers = [m for layer in layers for m in (layer.self_attn, layer.mlp)]
         return fusion.compiled_calls(layers, self.compiled)
 
+    def _no_compiling(self):
+        """Inside a capture, compiled code must not compile again: a recompile there benchmarks
+        and syncs, which invalidates the capture with no word of why. The warm-ups compile; a
+        guard that still fails during capture raises (with dynamo's reason) instead."""
+        if self.compiled is None or not hasattr(torch.compiler, "set_stance"):
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("fail_on_recompile")
+
     @torch.inference_mode()
     def _capture(self) -> None:
         # Every row in the scratch block and state row: capture writes nothing a sequence owns.
@@ -256,7 +264,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: other engines' threads in this process may touch CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            with self._no_compiling(), torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 self.logits[b] = self._forward(b, meta)
             self.graphs[b] = graph
             self.captures += 1
@@ -307,7 +315,7 @@ def for_worker(model, kv_caches: list[torch.Tensor], config) -> DecodeGraphs | N
             graphs = DecodeGraphs(model, kv_caches, config.block_size, config.max_model_len, sizes,
                                   compile_layers=compile_layers, scratch=scratch)
         except Exception as e:  # serve eagerly rather than not at all
-            log.error("cuda_graph_capture_failed", compiled_layers=compile_layers, error=f"{type(e).__name__}: {e}"[:500])
+            log.error("cuda_graph_capture_failed", compiled_layers=compile_layers, error=f"{type(e).__name__}: {e}"[:1200])
             continue
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, compiled_layers=graphs.stats()["compiled_layers"])
         return graphs
