@@ -36,3 +36,23 @@ def test_errors_after_a_good_first_call_propagate(fresh):
     with pytest.raises(ValueError, match="bad input"):
         moe_kernels.call(op, 4)
     assert moe_kernels.failure() is None and moe_kernels.enabled()
+
+
+def test_compiled_callers_do_not_guard_on_which_ops_ran(fresh):
+    """Decode graphs capture compiled layers after eager calls (lm_head's GEMV) verified an op:
+    code traced before that must still match, or the capture recompiles (and on the H200 that
+    invalidated it). dynamo's eager backend: guards only, no compiler needed."""
+    import torch
+
+    guard = moe_kernels.GUARD
+
+    def layer(x):
+        return guard.call(torch.neg, x) + 1
+
+    compiled = torch.compile(layer, backend="eager", dynamic=True)
+    x = torch.ones(4)
+    assert torch.equal(compiled(x), torch.zeros(4))
+    guard.call(torch.neg, x)  # an eager caller verifies the op
+    assert str(torch.neg) in guard._verified
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(compiled(torch.ones(8)), torch.zeros(8))

@@ -254,18 +254,33 @@ class DecodeGraphs:
         if self.compiled is not None:
             log.info("decode_layers_compiled", compiled=not self.compiled.broken, error=self.compiled.error)
 
+    def _warm_up(self, b: int, meta: AttnMetadata) -> None:
+        """One step outside any graph: Triton compiles, cuBLAS plans, dynamo compiles."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(b, meta)
+        torch.cuda.current_stream().wait_stream(side)
+
     def _capture_all(self) -> None:
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
             meta = self._meta(b)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the graph: Triton compiles, cuBLAS plans
-                self._forward(b, meta)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other engines' threads in this process may touch CUDA meanwhile.
-            with self._no_compiling(), torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                self.logits[b] = self._forward(b, meta)
+            self._warm_up(b, meta)
+            for attempt in (1, 2):
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    # thread_local: other engines' threads in this process may touch CUDA meanwhile.
+                    with self._no_compiling(), torch.cuda.graph(graph, pool=self.mempool,
+                                                                capture_error_mode="thread_local"):
+                        self.logits[b] = self._forward(b, meta)
+                    break
+                except RuntimeError as e:
+                    # State that changed after the warm-up (something its eager parts did) can
+                    # fail a guard; one more warm-up compiles that case outside the capture.
+                    if attempt == 2 or "recompile" not in str(e):
+                        raise
+                    log.warning("decode_capture_recompile", batch=b, reason=str(e)[:800])
+                    self._warm_up(b, meta)
             self.graphs[b] = graph
             self.captures += 1
 

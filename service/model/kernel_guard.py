@@ -23,7 +23,10 @@ class KernelGuard:
     def call(self, op, *args):
         """`op(*args)`, or None when this is its first call in the process and it fails."""
         name = str(op)
-        if name in self._verified or torch.compiler.is_compiling():
+        # is_compiling first: traced code must not read _verified, or dynamo guards on the set's
+        # contents and the first eager call (lm_head's GEMV, say) forces a recompile, inside a
+        # CUDA graph capture if that is where the compiled code runs next.
+        if torch.compiler.is_compiling() or name in self._verified:
             return op(*args)
         try:
             out = op(*args)
