@@ -52,8 +52,12 @@ LAUNCHES = [(f"w8a16 {bm}x{bn}", lambda bm=bm, bn=bn: (fp8._w8a16_kernel, dict(B
             for bm, bn in [(16, 64), (32, 64), (64, 64), (64, 128)]]
 LAUNCHES += [(f"w8a8 {bm}x128", lambda bm=bm: (fp8._w8a8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=128),
                                                8 if bm == 128 else 4, 3)) for bm in (64, 128)]
-LAUNCHES += [("gemv 8 rows", lambda: (fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=8, BLOCK_N=64, BLOCK_K=128), 4, 3)),
-             ("moe gate/up", lambda: (fp8_moe._gate_up_fp8_kernel, dict(BLOCKS, TOP_K=8, ACT=1, CLIP_UP=True,
+# fp8._linear's GEMV: gemv.config(max_k=2048) at 1 row (4 rows per program, 2048-wide K steps of 16
+# scale blocks) and 8 rows.
+LAUNCHES += [(f"gemv {bm} rows", lambda bm=bm, bn=bn, bk=bk: (
+    fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB=128), 4, 4))
+    for bm, bn, bk in [(1, 4, 2048), (1, 16, 512), (8, 4, 256)]]
+LAUNCHES += [("moe gate/up", lambda: (fp8_moe._gate_up_fp8_kernel, dict(BLOCKS, TOP_K=8, ACT=1, CLIP_UP=True,
                                                                         BLOCK_N=32, BLOCK_K=128), 4, 3)),
              ("moe down", lambda: (fp8_moe._down_fp8_kernel, dict(BLOCKS, BLOCK_N=32, BLOCK_K=128), 4, 3))]
 for _row in moe_grouped.CONFIGS:

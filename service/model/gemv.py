@@ -134,13 +134,14 @@ if triton is not None:
         h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
 
-    def config(m: int, n: int, k: int, sms: int) -> dict:
+    def config(m: int, n: int, k: int, sms: int, max_k: int = 512) -> dict:
         """Launch shape for [m, k] x [n, k]^T: the best of bench/gemv.py --sweep at one row on the
-        H200 (2026-12-03: 512-wide K steps, 4-8 rows per program, within 0.5 us of the best)."""
+        H200 (2026-12-03: 512-wide K steps, 4-8 rows per program, within 0.5 us of the best).
+        FP8 rows (fp8.py) pass a larger max_k: the same bytes per step take twice the elements."""
         bm = triton.next_power_of_2(m)
         bn = max(4, block_n(n, sms))
         # A [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it near 8K elements.
-        bk = max(64, min(512, 8192 // (bm * bn), triton.next_power_of_2(k)))
+        bk = max(64, min(max_k, 8192 // (bm * bn), triton.next_power_of_2(k)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
 
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict) -> None:
