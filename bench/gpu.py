@@ -39,6 +39,7 @@ Random weights are drawn on the GPU (the engine's TP-invariant CPU init would ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -124,6 +125,21 @@ def copy_bandwidth(device: str, nbytes: int = 4 * GIB, repeat: int = 10) -> floa
     dst = torch.empty_like(src)
     times = [timed(partial(dst.copy_, src), device) for _ in range(repeat + 2)]
     return 2 * nbytes / statistics.median(times[2:])
+
+
+@contextlib.contextmanager
+def switches(env: dict[str, str]):
+    """The LATENTSERVE_* switches in `env` set for the block, restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def sync(device: str) -> None:
@@ -318,9 +334,7 @@ def mode_graph_ms(args, env: dict[str, str]) -> dict:
     """Decode graph step ms per batch, and replay profiles, of the same model built under `env`
     (LATENTSERVE_COMPILE=0: nothing compiled, =chains: only the elementwise chains;
     LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with switches(env):
         llm = decode_llm(args)
         worker, ms, profiles = llm.executor.rank0, {}, []
         layers = len(worker.model.layers)
@@ -334,12 +348,6 @@ def mode_graph_ms(args, env: dict[str, str]) -> dict:
         llm.shutdown()
         del llm, worker
         torch.cuda.empty_cache()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     log(f"decode with {env} (graph ms): {ms}; kernels per layer: "
         f"{ {p['batch']: round(p['kernels_per_layer'], 1) for p in profiles} }")
     return {"ms": ms, "profiles": profiles}
@@ -427,17 +435,9 @@ def prompt_logits(llm: LLM, triton_kernels: bool = True) -> torch.Tensor:
     dequantized to bf16 first), the same weights through other kernels."""
     worker = llm.executor.rank0
     meta = AttnMetadata.build([SeqChunk(0, FP8_PROMPT, 0, [])], llm.config.block_size, worker.device)
-    saved = os.environ.get("LATENTSERVE_MOE_KERNELS")
-    os.environ["LATENTSERVE_MOE_KERNELS"] = "1" if triton_kernels else "0"
-    try:
-        with torch.inference_mode():
-            hidden = worker.model(torch.tensor(FP8_PROMPT, device=worker.device), meta, None)
-            return worker.model.compute_logits(hidden).float()
-    finally:
-        if saved is None:
-            os.environ.pop("LATENTSERVE_MOE_KERNELS")
-        else:
-            os.environ["LATENTSERVE_MOE_KERNELS"] = saved
+    with switches({"LATENTSERVE_MOE_KERNELS": "1" if triton_kernels else "0"}), torch.inference_mode():
+        hidden = worker.model(torch.tensor(FP8_PROMPT, device=worker.device), meta, None)
+        return worker.model.compute_logits(hidden).float()
 
 
 def reference_logits(llm: LLM) -> dict:
@@ -524,6 +524,13 @@ def profile_prefill(worker, plan, device: str, top: int = 15) -> dict:
     return {"kernels": len(events), "device_ms": sum(kinds.values()), "ms_by_kind": kinds, "table": table}
 
 
+# Prefill's kernel choices above the decode sizes, each timed against the default in the same run.
+PREFILL_VARIANTS = {
+    "triton_grouped_moe": {"LATENTSERVE_MOE_GROUPED_MAX_TOKENS": "1000000000"},  # default: torch._grouped_mm
+    "triton_router": {"LATENTSERVE_ROUTE_MAX_TOKENS": "1000000000"},  # default: cuBLAS logits + torch top-k
+}
+
+
 def bench_prefill(args) -> None:
     """One eager prefill step of --prefill-seqs x --prefill-len tokens from position 0 (the
     engine's prefill path: a step with prefill chunks never replays a decode graph): FLOPs counted
@@ -545,6 +552,14 @@ def bench_prefill(args) -> None:
         timed(partial(worker.execute, plan), args.device, 2)  # warm-up
         ms = statistics.median(timed(partial(worker.execute, plan), args.device, 3) for _ in range(5)) * 1e3
         prof = profile_prefill(worker, plan, args.device)
+        # In-run baselines: the same step under each switch (read per call; prefill is eager).
+        variants = {}
+        for name, env in PREFILL_VARIANTS.items():
+            with switches(env):
+                timed(partial(worker.execute, plan), args.device, 1)
+                variants[name] = statistics.median(
+                    timed(partial(worker.execute, plan), args.device, 3) for _ in range(3)) * 1e3
+            log(f"prefill with {env}: {variants[name]:.2f} ms = {variants[name] / ms:.2f}x the default's {ms:.2f} ms")
     llm.shutdown()
     n = 8192 if cuda else 512
     rate = matmul_rate(args.device, n)
@@ -552,7 +567,7 @@ def bench_prefill(args) -> None:
     res = {"seqs": seqs, "len": length, "layers": cfg.num_hidden_layers, "step_ms": ms, "flops": total,
            "flops_by_part": flops, "achieved_tflops": achieved / 1e12, "matmul_n": n, "matmul_tflops": rate / 1e12,
            "ratio": achieved / rate, "profile_kernels": prof["kernels"], "profile_device_ms": prof["device_ms"],
-           "profile_ms_by_kind": prof["ms_by_kind"]}
+           "profile_ms_by_kind": prof["ms_by_kind"], "variants_ms": variants}
     RESULTS["prefill"] = res
     print(f"prefill step {seqs} x {length}: {prof['kernels']} GPU kernels/copies, {prof['device_ms']:.2f} ms of "
           f"device time; by kind (ms): { {k: round(v, 2) for k, v in prof['ms_by_kind'].items()} }\n{prof['table']}",
