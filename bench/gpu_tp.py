@@ -50,7 +50,6 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    os.environ["LATENTSERVE_CUDA_ALLREDUCE"] = "1"  # opt-in (tail/device_comm.py); the ranks inherit it
     rows = {}
     for mode in ("graphs", "eager"):
         t0 = time.perf_counter()

@@ -122,7 +122,7 @@ def unsupported_reason(model, kv_caches: list, max_batch: int | None = None) -> 
         return "not on CUDA"
     if model.tp.world_size != 1 and getattr(model.tp, "device_comm", None) is None:
         return ("TP > 1 without the device collectives (ranks on several nodes, or "
-                "without LATENTSERVE_CUDA_ALLREDUCE=1): torch.distributed cannot be captured")
+                "LATENTSERVE_CUDA_ALLREDUCE=0): torch.distributed cannot be captured")
     states = [c for c in kv_caches if isinstance(c, KDAState)]
     if states:
         if any(s.recurrent.dtype != torch.float32 for s in states):

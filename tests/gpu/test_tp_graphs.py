@@ -11,7 +11,6 @@ the step fast inside a replay and the ranks re-arm and serve on. Two processes t
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -26,7 +25,6 @@ from test_engine_cuda import GREEDY, OVERRIDES, PROMPTS, compare, generate, toke
 from service import LLM  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
-os.environ["LATENTSERVE_CUDA_ALLREDUCE"] = "1"  # the device collectives are opt-in; the ranks inherit it
 DEADLINE_S = 5.0
 
 
