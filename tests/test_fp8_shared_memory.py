@@ -57,9 +57,15 @@ LAUNCHES += [(f"w8a8 {bm}x128", lambda bm=bm: (fp8._w8a8_kernel, dict(BLOCKS, BL
 LAUNCHES += [(f"gemv {bm} rows", lambda bm=bm, bn=bn, bk=bk: (
     fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB=128), 4, 4))
     for bm, bn, bk in [(1, 4, 2048), (1, 16, 512), (8, 4, 256)]]
-LAUNCHES += [("moe gate/up", lambda: (fp8_moe._gate_up_fp8_kernel, dict(BLOCKS, TOP_K=8, ACT=1, CLIP_UP=True,
-                                                                        BLOCK_N=32, BLOCK_K=128), 4, 3)),
-             ("moe down", lambda: (fp8_moe._down_fp8_kernel, dict(BLOCKS, BLOCK_N=32, BLOCK_K=128), 4, 3))]
+# fp8_moe.expert_configs at a 1024-wide latent and a 768 shard, below and above 32 pairs.
+for _pairs in (8, 64):
+    _g, _d = fp8_moe.expert_configs(_pairs, 1024, 768)
+    LAUNCHES += [(f"moe gate/up {_pairs} pairs", lambda g=_g: (fp8_moe._gate_up_fp8_kernel, dict(
+        BLOCKS, TOP_K=8, ACT=1, CLIP_UP=True, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], SUB=min(128, g["BLOCK_K"])),
+        g["num_warps"], g["num_stages"])),
+                 (f"moe down {_pairs} pairs", lambda d=_d: (fp8_moe._down_fp8_kernel, dict(
+                     BLOCKS, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], SUB=min(128, d["BLOCK_K"])),
+                     d["num_warps"], d["num_stages"]))]
 for _row in moe_grouped.CONFIGS:
     _bm, _bn, _bk, _nw, _ns = _row[1:]
     LAUNCHES += [(f"grouped gate/up {_row[1:]}", lambda bm=_bm, bn=_bn, bk=_bk, nw=_nw, ns=_ns: (

@@ -57,8 +57,8 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
 
 
 def _k_blocks(w13, s13, w2, s2) -> int:
-    """The narrower scale block along K of w13 and w2: the kernels' K steps (up to 128) lie
-    inside one, and tl.arange/the reductions want at least 16."""
+    """The narrower scale block along K of w13 and w2: the kernels' K steps hold whole scale
+    blocks or lie inside one, and tl.arange/the reductions want at least 16."""
     return min(fp8.fmt.implied_block(tuple(w13.shape), tuple(s13.shape))[1],
                fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))[1])
 
@@ -75,17 +75,19 @@ if triton is not None:
     def _gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, width, shard, stride_x, stride_we, stride_wn,
                             stride_se, stride_sn, stride_h, beta, linear_beta, BN: tl.constexpr, BK: tl.constexpr,
                             TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+        NB: tl.constexpr = BLOCK_K // SUB  # scale blocks per K step (SUB = min(BK, BLOCK_K))
         p = tl.program_id(0)  # (token, slot) pair
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < shard
         t = p // TOP_K
         expert = tl.load(ids_ptr + p).to(tl.int64)
         w_rows = w13_ptr + expert * stride_we + n[:, None] * stride_wn
-        # BLOCK_K divides BK: each K step lies in one scale block, one scale per row per step
-        # (a per-element fp32 scale tile would be read 4x the FP8 weight's bytes).
+        # One scale per row per scale block: partial sums per block, then scaled (a per-element
+        # fp32 scale tile would be read 4x the FP8 weight's bytes).
         s_gate = s13_ptr + expert * stride_se + (n // BN) * stride_sn
         s_up = s13_ptr + expert * stride_se + ((n + shard) // BN) * stride_sn
+        kblocks = tl.cdiv(width, BK)
         acc_g = tl.zeros([BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, width, BLOCK_K):
@@ -95,8 +97,12 @@ if triton is not None:
             m2 = nmask[:, None] & kmask[None, :]
             wg = tl.load(w_rows + k[None, :], mask=m2, other=0.0).to(tl.float32)
             wu = tl.load(w_rows + shard * stride_wn + k[None, :], mask=m2, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xv[None, :], 1) * tl.load(s_gate + k0 // BK, mask=nmask, other=0.0)
-            acc_u += tl.sum(wu * xv[None, :], 1) * tl.load(s_up + k0 // BK, mask=nmask, other=0.0)
+            kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
+            smask = nmask[:, None] & (kb < kblocks)[None, :]
+            sg = tl.load(s_gate[:, None] + kb[None, :], mask=smask, other=0.0)
+            su = tl.load(s_up[:, None] + kb[None, :], mask=smask, other=0.0)
+            acc_g += tl.sum(tl.sum(tl.reshape(wg * xv[None, :], [BLOCK_N, NB, SUB]), 2) * sg, 1)
+            acc_u += tl.sum(tl.sum(tl.reshape(wu * xv[None, :], [BLOCK_N, NB, SUB]), 2) * su, 1)
         dtype = h_ptr.dtype.element_ty
         h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + p * stride_h + n, h.to(dtype), mask=nmask)
@@ -104,22 +110,39 @@ if triton is not None:
     @triton.jit
     def _down_fp8_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, part_ptr, width, shard, stride_h, stride_we,
                          stride_wn, stride_se, stride_sn, stride_p, BN: tl.constexpr, BK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+        NB: tl.constexpr = BLOCK_K // SUB
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < width
         expert = tl.load(ids_ptr + p).to(tl.int64)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        s_rows = s2_ptr + expert * stride_se + (n // BN) * stride_sn
+        kblocks = tl.cdiv(shard, BK)
+        acc = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, shard, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < shard
             m2 = nmask[:, None] & kmask[None, :]
             hv = tl.load(h_ptr + p * stride_h + k, mask=kmask, other=0.0).to(tl.float32)
-            wv = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :], mask=m2, other=0.0)
-            sv = tl.load(s2_ptr + expert * stride_se + (n // BN) * stride_sn + k0 // BK, mask=nmask, other=0.0)
-            acc += wv.to(tl.float32) * sv[:, None] * hv[None, :]
-        y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + p)
+            wv = tl.load(w2_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :], mask=m2,
+                         other=0.0).to(tl.float32)
+            kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
+            sv = tl.load(s_rows[:, None] + kb[None, :], mask=nmask[:, None] & (kb < kblocks)[None, :], other=0.0)
+            acc += tl.sum(tl.sum(tl.reshape(wv * hv[None, :], [BLOCK_N, NB, SUB]), 2) * sv, 1)
+        y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + p)
         tl.store(part_ptr + p * stride_p + n, y, mask=nmask)
+
+
+def expert_configs(pairs: int, width: int, shard: int) -> tuple[dict, dict]:
+    """Launch shapes of the FP8 gate/up and down kernels: moe_kernels.expert_configs' tiles with
+    K steps of as many elements (half the bytes), spanning several scale blocks; one scale block
+    per step (128 FP8 bytes a row) left them no faster than bf16 for half the bytes on the H200."""
+    cap = lambda k, most: max(16, min(most, triton.next_power_of_2(k)))  # noqa: E731
+    if pairs < 32:
+        return ({"BLOCK_N": 16, "BLOCK_K": cap(width, 512), "num_warps": 4, "num_stages": 3},
+                {"BLOCK_N": 32, "BLOCK_K": cap(shard, 256), "num_warps": 8, "num_stages": 3})
+    return ({"BLOCK_N": 32, "BLOCK_K": cap(width, 128), "num_warps": 4, "num_stages": 3},
+            {"BLOCK_N": 32, "BLOCK_K": cap(shard, 128), "num_warps": 4, "num_stages": 3})
 
 
 def _experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -134,16 +157,16 @@ def _experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, linear_be
     ids, weights = ids.contiguous(), weights.contiguous()
     bn, bk = fp8.fmt.implied_block(tuple(w13.shape), tuple(s13.shape))
     h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
-    block_n = 32 if m * top_k >= 32 else 16
-    _gate_up_fp8_kernel[(m * top_k, triton.cdiv(shard, block_n))](
+    gate_cfg, down_cfg = expert_configs(m * top_k, width, shard)
+    _gate_up_fp8_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
         x, w13, s13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), float(beta), float(linear_beta or 1.0), BN=bn, BK=bk, TOP_K=top_k, ACT=moe_kernels.ACTS[act],
-        CLIP_UP=linear_beta is not None, BLOCK_N=block_n, BLOCK_K=min(128, bk), num_warps=4)
+        CLIP_UP=linear_beta is not None, SUB=min(bk, gate_cfg["BLOCK_K"]), **gate_cfg)
     bn2, bk2 = fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))
     part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
-    _down_fp8_kernel[(m * top_k, triton.cdiv(width_out, 32))](
+    _down_fp8_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
         h, w2, s2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), part.stride(0), BN=bn2, BK=bk2, BLOCK_N=32, BLOCK_K=min(128, bk2), num_warps=4)
+        s2.stride(1), part.stride(0), BN=bn2, BK=bk2, SUB=min(bk2, down_cfg["BLOCK_K"]), **down_cfg)
     moe_kernels._slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](
         part, out, width_out, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024, num_warps=4)
     return out
