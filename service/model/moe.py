@@ -75,14 +75,6 @@ def route(x, weight, bias, n_group: int, topk_group: int, top_k: int, norm_topk_
     return weights * scaling, ids
 
 
-@fused
-def weighted_slot_sum(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_s weights[t, s] * y[rows[t * k + s]] in fp32, the k slots in order, as `dtype`."""
-    m, k = weights.shape
-    pairs = y.index_select(0, rows).float().view(m, k, -1)
-    return (pairs * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
-
-
 def grouped_mm_fast(x: torch.Tensor) -> bool:
     """torch._grouped_mm has fused CUTLASS kernels for bf16 on sm_90/sm_100 only; elsewhere it
     falls back to a loop that syncs with the host, no better than `per_expert`."""
@@ -146,12 +138,11 @@ class FusedExperts(nn.Module):
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group; empty groups allowed
         xs = x.index_select(0, order // k)
         h = self._act(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs))
-        y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs)
-        # Where each (token, slot) pair's row landed: a gather back, not a scatter, so the
-        # weighting and the slot sum read y once in one compiled kernel (the scatter, the fp32
-        # copies and the multiply were 31 ms of a 78 ms 8 x 1024 prefill on the H200).
-        rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        return weighted_slot_sum(y, rows, weights, x.dtype)
+        y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs).float()
+        y = y * weights.flatten().index_select(0, order).unsqueeze(1)
+        # Back to (token, slot) order, then a fixed-order sum over the k slots.
+        pairs = torch.empty_like(y).index_copy_(0, order, y)
+        return pairs.view(m, k, -1).sum(dim=1).to(x.dtype)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.act(gate_up[:, : self.shard], gate_up[:, self.shard:])
