@@ -52,11 +52,11 @@ LAUNCHES = [(f"w8a16 {bm}x{bn}", lambda bm=bm, bn=bn: (fp8._w8a16_kernel, dict(B
             for bm, bn in [(16, 64), (32, 64), (64, 64), (64, 128)]]
 LAUNCHES += [(f"w8a8 {bm}x128", lambda bm=bm: (fp8._w8a8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=128),
                                                8 if bm == 128 else 4, 3)) for bm in (64, 128)]
-# fp8._linear's GEMV: gemv.config(max_k=2048) at 1 row (4 rows per program, 2048-wide K steps of 16
+# fp8._linear's GEMV: gemv.config(max_k=1024) at 1 row (4 rows per program, 1024-wide K steps of 8
 # scale blocks) and 8 rows.
 LAUNCHES += [(f"gemv {bm} rows", lambda bm=bm, bn=bn, bk=bk: (
     fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB=128), 4, 4))
-    for bm, bn, bk in [(1, 4, 2048), (1, 16, 512), (8, 4, 256)]]
+    for bm, bn, bk in [(1, 4, 1024), (1, 16, 512), (8, 4, 256)]]
 # fp8_moe.expert_configs at a 1024-wide latent and a 768 shard, below and above 32 pairs.
 for _pairs in (8, 64):
     _g, _d = fp8_moe.expert_configs(_pairs, 1024, 768)

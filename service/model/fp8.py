@@ -145,35 +145,54 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
+    def _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN: tl.constexpr, BK: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+        """[BLOCK_N, BLOCK_K] block scales of the weight tile at rows n, columns k0..: one load
+        per scale block, broadcast along it (per-element loads or per-block partial sums cost
+        64 scalar loads or 328 shuffles a 2048-wide step in the sm_90 PTX)."""
+        NB: tl.constexpr = BLOCK_K // SUB
+        kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
+        sv = tl.load(s_ptr + (n // BN)[:, None] * stride_s + kb[None, :], mask=nmask[:, None] & (kb < kblocks)[None, :],
+                     other=0.0)
+        return tl.reshape(tl.broadcast_to(sv[:, :, None], [sv.shape[0], NB, SUB]), [sv.shape[0], BLOCK_K])
+
+    @triton.jit
     def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SUB: tl.constexpr):
         """gemv.py's bandwidth-shaped decode GEMM on FP8 rows: BLOCK_N output rows per program
-        (the grid covers every SM twice), K streamed in BLOCK_K steps of BLOCK_K // SUB scale
-        blocks each (SUB = min(BK, BLOCK_K)): each block's partial sums take one scale per row.
-        Steps as wide as the bf16 GEMV's in bytes: at one 128-wide scale block per step, four
-        rows of 128 bytes per program were too little in flight (15 us a projection on the
-        H200, 3x the bf16 GEMV's time for half the bytes)."""
-        NB: tl.constexpr = BLOCK_K // SUB
+        (the grid covers every SM twice), K streamed in steps of BLOCK_K // SUB scale blocks
+        (SUB = min(BK, BLOCK_K)), the weight tile scaled elementwise, fp32 throughout. At one
+        row the products accumulate elementwise and reduce once at the end: per-step
+        reductions made this kernel 3x slower than the bf16 GEMV for half the bytes."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
-        nmask, mmask = n < N, m < M
+        nmask = n < N
         kblocks = tl.cdiv(K, BK)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
-                         other=0.0).to(tl.float32)
-            part = tl.sum(tl.reshape(xv[:, None, :] * w[None, :, :], [BLOCK_M, BLOCK_N, NB, SUB]), 3)
-            kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
-            sv = tl.load(s_ptr + (n // BN)[:, None] * stride_s + kb[None, :],
-                         mask=nmask[:, None] & (kb < kblocks)[None, :], other=0.0)
-            acc += tl.sum(part * sv[None, :, :], 2)
-        tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        rows = w_ptr + n[:, None].to(tl.int64) * stride_w
+        if BLOCK_M == 1:
+            acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < K
+                w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+                xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                acc1 += w * scale * xv[None, :]
+            tl.store(y_ptr + n, tl.sum(acc1, 1).to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            m = tl.arange(0, BLOCK_M)
+            mmask = m < M
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < K
+                w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                w = w * _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+                xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
+                             other=0.0).to(tl.float32)
+                acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)
+            tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=mmask[:, None] & nmask[None, :])
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -188,7 +207,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
     if m <= gemv.max_rows():  # decode rows: bandwidth-shaped, no tensor-core tiles
-        cfg = gemv.config(m, n, k, gemv.sm_count(x.device), max_k=2048)
+        cfg = gemv.config(m, n, k, gemv.sm_count(x.device), max_k=1024)
         block_k = cfg["BLOCK_K"]
         _gemv_fp8_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
