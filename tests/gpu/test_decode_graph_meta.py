@@ -10,16 +10,11 @@ kernels interpreted; the KDA torch path).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-import pytest
 import torch
+from kernel_env import DEVICE, kernel_marks, require_kernel_device
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernel_device()
 
 from _model_utils import build_model  # noqa: E402
 
@@ -29,8 +24,7 @@ from service.model import cuda_graph  # noqa: E402
 from service.model.attention import AttnMetadata  # noqa: E402
 from service.model.kda import KDAState, kda_state_shapes  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(600)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(600)
 # MLA widths the Triton decode kernel takes.
 OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
 BS, BLOCKS, SEQS, BATCH, WIDTH = 16, 12, 3, 4, 8

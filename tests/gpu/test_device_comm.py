@@ -14,18 +14,15 @@ import time
 
 import pytest
 import torch
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
 
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+triton = require_kernel_device()
 
 from service.tail import device_comm  # noqa: E402
 from service.tail.device_comm import DeviceCollectives, DeviceCommTimeout  # noqa: E402
 from service.tail.triton_tail import VirtualTailGroup  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(600)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(600)
 MAX_TOKENS = 8
 HIDDEN, VOCAB_SHARD = (48, 40) if INTERPRET else (1024, 4000)
 

@@ -9,15 +9,11 @@ the interpreter's tl.dot takes no bf16; FP8 loads work). The engine tests need C
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
 
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+triton = require_kernel_device()
 
 from service import LLM, SamplingParams  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
@@ -28,8 +24,7 @@ from service.weights import export_state  # noqa: E402
 from service.weights import fp8 as fmt  # noqa: E402
 from service.weights.checkpoint import checkpoint_tensors  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(600)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(600)
 ACT_DTYPE = torch.float16 if INTERPRET else torch.bfloat16
 gpu_only = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="engine tests need CUDA")
 

@@ -8,20 +8,16 @@ Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernel_device()
 
 from service.model import gemv, layers  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(300)
 SHAPES = [(1344, 2048), (100, 96), (1024, 768)] if INTERPRET else [
     (1344, 2048), (3072, 768), (2048, 2048), (1024, 2048), (2048, 1024), (1536, 2048), (100, 96), (32768, 2048)]
 

@@ -5,22 +5,18 @@ Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernel i
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernel_device()
 
 from service.model import mla_decode  # noqa: E402
 
 # Interpreted runs are CPU runs: the gpu marker would make conftest skip them.
-pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(300)
 
 
 def reference(q, kv, tables, ctx, lora, scale):

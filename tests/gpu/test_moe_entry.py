@@ -9,23 +9,19 @@ Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from kernel_env import DEVICE, kernel_marks, require_kernel_device
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernel_device()
 
 from service.config import PRESETS  # noqa: E402
 from service.model import layers, moe_entry  # noqa: E402
 from service.model.moe import MoE  # noqa: E402
 from service.parallel import TPGroup  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(300)
 
 
 @pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])

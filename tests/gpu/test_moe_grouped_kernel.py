@@ -11,22 +11,18 @@ bf16 is GPU-only: the interpreter's dot does not take it).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
 import torch
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernel_device()
 
 from service.model import moe_grouped, moe_kernels  # noqa: E402
 from service.model.kernel_guard import KernelGuard  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(300)
 
 
 def align_reference(ids: np.ndarray, num_experts: int, block_m: int):

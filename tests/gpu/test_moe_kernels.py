@@ -8,20 +8,15 @@ Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernel_device()
 
 from service.model import moe, moe_kernels  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(300)
 
 
 @pytest.mark.parametrize("experts,top_k,n_group,topk_group,softmax,norm", [

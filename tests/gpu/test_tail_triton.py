@@ -13,11 +13,9 @@ import traceback
 
 import pytest
 import torch
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
 
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+triton = require_kernel_device()
 
 from tail_cases import EPS, HIDDEN, LATENT, M_SEQUENCE, MAX_TOKENS, rel_err, tail_inputs, tail_weights  # noqa: E402
 
@@ -26,8 +24,7 @@ from service.tail.base import TailTimeout, latent_norm, unfused_tail  # noqa: E4
 from service.tail.triton_tail import VirtualTailGroup  # noqa: E402
 
 # Interpreted runs are CPU runs: the gpu marker would make conftest skip them.
-pytestmark = [pytest.mark.timeout(600)] + ([] if INTERPRET else [pytest.mark.gpu])
-DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = kernel_marks(600)
 
 
 def _reference(routed, shared, norm, up):

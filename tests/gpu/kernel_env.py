@@ -1,0 +1,26 @@
+"""Where the Triton kernel tests run: on a CUDA GPU, or on a CPU with Triton installed and
+TRITON_INTERPRET=1 (kernels interpreted on host memory). Each test module calls
+`require_kernel_device()` before importing what needs Triton, and marks itself `kernel_marks(t)`:
+`gpu` only when not interpreted, so CPU runs with the interpreter are not skipped by conftest."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def require_kernel_device():
+    """Triton's module, or a skip of the calling module: no Triton, or neither CUDA nor the interpreter."""
+    triton = pytest.importorskip("triton")
+    if not torch.cuda.is_available() and not INTERPRET:
+        pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+    return triton
+
+
+def kernel_marks(timeout_s: int) -> list:
+    return [pytest.mark.timeout(timeout_s)] + ([] if INTERPRET else [pytest.mark.gpu])
