@@ -86,7 +86,6 @@ def experts_supported(x: torch.Tensor, act: str) -> bool:
 
 if triton is not None:
 
-
     @triton.jit
     def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, hidden, num_experts, stride_x, stride_w, stride_l,
                               BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
