@@ -151,7 +151,9 @@ def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
 
 def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
-                splits: int | None = None) -> torch.Tensor:
+                splits: int | None = None, cfg: dict | None = None) -> torch.Tensor:
+    """cfg overrides the split kernel's launch shape (BLOCK_N, num_warps, num_stages): the
+    sweep in bench/mla_decode.py."""
     b, h, d = q_cat.shape
     if q_cat.stride(-1) != 1:
         q_cat = q_cat.contiguous()
@@ -162,6 +164,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_cat.device)
     lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_cat.device)
     ieee = q_cat.dtype == torch.float32
+    launch = {"BLOCK_N": 16 if ieee else 64, "num_warps": 8, "num_stages": 2, **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
     _mla_decode_split[grid](
         q_cat, kv_cache, block_tables, context_lens, o, lse,
@@ -169,7 +172,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        BLOCK_N=16 if ieee else 64, NUM_SPLITS=splits, IEEE=ieee, num_warps=8, num_stages=2,
+        NUM_SPLITS=splits, IEEE=ieee, **launch,
     )
     if splits == 1:
         return o[:, 0]

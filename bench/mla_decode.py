@@ -1,0 +1,102 @@
+"""The paged MLA decode kernel (service/model/mla_decode.py) on one GPU: achieved bandwidth over
+the copy bandwidth measured in the same run, for the default launch and, with --sweep, every
+launch shape (splits, BLOCK_N, warps, stages), and the torch path (gather + two bmm's) as the
+baseline.
+
+    python bench/mla_decode.py [--batches 1 8 64 256] [--context 1024] [--sweep] [--json out.json]
+
+Shapes are the `small` preset's (16 heads, kv_lora_rank 512, rope 64, block size 16). Each
+measurement is a CUDA graph of back-to-back calls cycling through enough KV caches that they
+never sit in L2, as a decode step's 24 layers read 24 different caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from gemv import L2_SAFE, copy_bandwidth, graph_seconds  # noqa: E402
+
+from service.model import mla_decode  # noqa: E402
+
+HEADS, LAT, PE, BLOCK = 16, 512, 64, 16
+
+
+def case(batch: int, context: int) -> tuple[list, int]:
+    """Variants of (q, cache, block tables, context lens), each cache in shuffled blocks."""
+    blocks = batch * -(-context // BLOCK)
+    nbytes = blocks * BLOCK * (LAT + PE) * 2
+    out = []
+    for _ in range(max(2, min(24, -(-L2_SAFE // nbytes)))):
+        cache = torch.randn(blocks, BLOCK, LAT + PE, device="cuda").to(torch.bfloat16)
+        tables = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
+        q = torch.randn(batch, HEADS, LAT + PE, device="cuda").to(torch.bfloat16)
+        lens = torch.full((batch,), context, device="cuda", dtype=torch.int64)
+        out.append((q, cache, tables, lens))
+    return out, nbytes
+
+
+def run(v, splits=None, cfg=None):
+    q, cache, tables, lens = v
+    return mla_decode._mla_decode(q, cache, tables, lens, LAT, 0.07, splits=splits, cfg=cfg)
+
+
+def torch_path(v):
+    q, cache, tables, lens = v
+    ctx = cache[tables.long()].view(q.shape[0], -1, LAT + PE)
+    p = torch.bmm(q, ctx.transpose(1, 2)).mul_(0.07).softmax(-1)
+    return torch.bmm(p, ctx[..., :LAT])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for b in args.batches:
+        variants, nbytes = case(b, args.context)
+        ref = run(variants[0], splits=1)
+        t_ours = graph_seconds(run, variants)
+        t_torch = graph_seconds(torch_path, variants[:2])
+        default = {"splits": mla_decode.num_splits(b, HEADS)}
+        row = {"batch": b, "context": args.context, "kv_mb": nbytes / 1e6, "ours_us": t_ours * 1e6,
+               "torch_us": t_torch * 1e6, "ours_vs_torch": t_torch / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw,
+               "default": default}
+        if args.sweep:
+            best = (t_ours, default)
+            for splits, bn, warps, stages in itertools.product((4, 8, 16, 32, 64), (32, 64), (4, 8), (1, 2)):
+                if b * splits > 8192:
+                    continue
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+                try:
+                    err = (run(variants[0], splits, cfg) - ref).abs().max().item()
+                    t = graph_seconds(lambda v: run(v, splits, cfg), variants, reps=2)  # noqa: B023
+                except Exception:  # noqa: BLE001 - an unlaunchable shape (shared memory)
+                    continue
+                if err < 1e-2 and t < best[0]:
+                    best = (t, {"splits": splits, **cfg})
+            row.update(best_us=best[0] * 1e6, best=best[1], best_of_copy_bw=nbytes / best[0] / bw,
+                       best_vs_default=t_ours / best[0])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bw": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
