@@ -75,3 +75,9 @@ def test_mp_rank_failure_is_reported_per_rank():
         with pytest.raises(RuntimeError, match="unknown collective_rpc method"):
             llm.collective_rpc("no_such_rpc")
         assert time.monotonic() - t0 < 30
+        # A caller that gives up on a call (asyncio cancels a wrapped future on a client's
+        # disconnect) must not take the rank's reader down with it.
+        for _ in range(3):
+            llm.executor.ranks[0].call("collective_rpc", "ping").cancel()
+        assert llm.executor.ranks[0].call("collective_rpc", "ping").result(10)["pid"]
+        assert _tokens(llm) == ref

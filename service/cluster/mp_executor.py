@@ -113,6 +113,11 @@ class RankProcess:
 
     def call(self, method: str, *args, **kwargs) -> Future:
         fut: Future = Future()
+        # Running from the start, so it cannot be cancelled: an asyncio caller that gives up (a
+        # client's disconnect cancels its wrap_future) would otherwise cancel it, and the reply's
+        # set_result raised InvalidStateError in the reader thread, which then died and left every
+        # later call on this rank unanswered (seen serving on the H200, 2026-12-03).
+        fut.set_running_or_notify_cancel()
         with self._lock:
             if not self._reader.is_alive():
                 fut.set_exception(RankGone(f"rank {self.rank} process is not running"))
