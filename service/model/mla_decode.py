@@ -30,10 +30,11 @@ except ImportError:  # CPU machines: the torch path in attention.py is used
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BLOCK_H = 16  # tl.dot needs at least 16 rows; fewer heads are masked
-TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs
-# Measured on the H200 (bench/RESULTS.md, 2026-12-03; 16 heads, context 1024, bf16): 16 splits
-# are best for one sequence, 32 for 8 (2.3x faster than 16), the program target above for 64.
-MAX_SPLITS = 32
+# The split count and launch shape by the number of (sequence, head block) programs, from
+# bench/mla_decode.py --sweep on the H200 (2026-12-03, 16 heads, context 1024, bf16): 32 splits
+# of 32-token steps for one sequence (9.5 -> 8.1 us), 16 of 64 for 8 (16.0 -> 12.0 us), 4 of 32
+# with 4 warps from 64 on (50.6 -> 43.0 us at 64, 152.6 -> 142.8 us at 256).
+MAX_SPLITS, MIN_SPLITS, SPLIT_PROGRAMS = 32, 4, 128
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -50,9 +51,21 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> boo
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
+def _programs(batch: int, num_heads: int) -> int:
+    return batch * -(-num_heads // BLOCK_H)
+
+
 def num_splits(batch: int, num_heads: int) -> int:
-    programs = batch * -(-num_heads // BLOCK_H)
-    return max(1, min(MAX_SPLITS if programs > 1 else MAX_SPLITS // 2, -(-TARGET_PROGRAMS // programs)))
+    return max(MIN_SPLITS, min(MAX_SPLITS, SPLIT_PROGRAMS // _programs(batch, num_heads)))
+
+
+def launch_config(batch: int, num_heads: int) -> dict:
+    programs = _programs(batch, num_heads)
+    if programs <= 2:
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+    if programs <= 16:
+        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
 if triton is not None:
@@ -164,7 +177,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_cat.device)
     lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_cat.device)
     ieee = q_cat.dtype == torch.float32
-    launch = {"BLOCK_N": 16 if ieee else 64, "num_warps": 8, "num_stages": 2, **(cfg or {})}
+    launch = {**launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}), **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
     _mla_decode_split[grid](
         q_cat, kv_cache, block_tables, context_lens, o, lse,
