@@ -182,6 +182,38 @@ def summarize(clients: int, results: list[dict], errors: list[str]) -> dict:
     return summary
 
 
+def step_phases(before: dict, after: dict) -> dict:
+    """The engine's steps between two snapshots (`engine_stats` and rank 0's decode graph
+    replays): how many of each kind and in graphs, and the mean milliseconds per step of each
+    phase (LLMEngine.step_seconds)."""
+    steps = after["steps"] - before["steps"]
+    out = {"steps": steps, "kinds": {k: after["step_kinds"][k] - before["step_kinds"].get(k, 0)
+                                     for k in after.get("step_kinds", {})}}
+    if after.get("graph_replays") is not None:
+        out["graph_replays"] = after["graph_replays"] - before["graph_replays"]
+    for k, v in after.get("step_seconds", {}).items():
+        out[f"{k}_ms"] = (v - before["step_seconds"].get(k, 0.0)) / max(1, steps) * 1e3
+    return out
+
+
+def replays(graph_stats: list[dict]) -> int | None:
+    graphs = graph_stats[0].get("graphs") if graph_stats else None
+    return None if graphs is None else graphs["replays"]
+
+
+def engine_stats(url: str, key: str | None) -> dict | None:
+    try:
+        with Client(url, key) as c:
+            return {**c.status()["engine"], "graph_replays": replays(c.collective_rpc("graph_stats", ranks=[0]))}
+    except Exception:  # noqa: BLE001 - an external server without an admin key: no step phases
+        return None
+
+
+def offline_stats(llm) -> dict:
+    return {**llm.executor.rank0_call("engine_stats", timeout=30.0),
+            "graph_replays": replays(llm.collective_rpc("graph_stats"))}
+
+
 # ---- the same engine offline -----------------------------------------------------------------------
 
 def offline_baseline(serve_argv: list[str], levels: list[tuple[int, int]], prompts: list[list[int]],
@@ -202,12 +234,14 @@ def offline_baseline(serve_argv: list[str], levels: list[tuple[int, int]], promp
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params)  # warm-up
         for clients, requests in levels:
             tokens, t0 = 0, time.perf_counter()
+            before = offline_stats(llm)
             for i in range(0, requests, clients):
                 wave = [{"prompt_token_ids": p} for p in prompts[i:min(i + clients, requests)]]
                 tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(wave, params))
             wall = time.perf_counter() - t0
             out[clients] = {"requests": requests, "output_tokens": tokens, "wall_s": wall,
-                            "tokens_per_s": tokens / wall}
+                            "tokens_per_s": tokens / wall,
+                            "engine_steps": step_phases(before, offline_stats(llm))}
             log(f"offline, waves of {clients}: {out[clients]}")
     finally:
         llm.shutdown()
@@ -337,9 +371,15 @@ def main(argv: list[str] | None = None) -> int:
         warm = load_phase(url, 1, prompts[:2], 4, args.duration, 1)  # first requests: not measured
         log(f"warm-up: {warm['requests']} requests, {warm['errors']} errors")
         for clients, requests in levels:
+            before = engine_stats(url, key)
             load = load_phase(url, clients, prompts[:requests], args.max_tokens, args.duration, args.client_procs)
+            after = engine_stats(url, key)
+            if before and after:
+                load["engine_steps"] = step_phases(before, after)
             log(f"{clients} clients: {load['tokens_per_s']:.1f} output tokens/s, {load['requests']} requests, "
-                f"{load['errors']} errors")
+                f"{load['errors']} errors; TTFT p50/p99 {load['ttft']['p50'] * 1e3:.0f}/{load['ttft']['p99'] * 1e3:.0f} "
+                f"ms, ITL p50/p99 {load['itl']['p50'] * 1e3:.1f}/{load['itl']['p99'] * 1e3:.1f} ms; engine steps "
+                f"{load.get('engine_steps')}")
             loads.append(load)
         if key and args.cycles:
             with Client(url, key) as c:
@@ -355,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             if base is not None:
                 load["offline_tokens_per_s"] = base["tokens_per_s"]
                 load["http_over_offline"] = load["tokens_per_s"] / base["tokens_per_s"]
+                load["offline_engine_steps"] = base["engine_steps"]
     print_report(loads, overhead, args)
     summary = {"device": args.device, "model": args.model, "layers": args.layers, "tp": args.tp,
                "server_args": argv_serve if server is not None else None, "loads": loads, "sleep_wake": overhead,

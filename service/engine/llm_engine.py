@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -70,6 +71,11 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.num_steps = 0
         self.num_failed_steps = 0
+        # Where a step's wall time goes, summed: scheduling, launching the model (asynchronous on
+        # a GPU), waiting for its logits and sampling, and the outputs. On the H200 a decode
+        # step's graph takes 5 ms; these say what the rest of a served step costs.
+        self.step_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
+        self.step_kinds = dict.fromkeys(("decode", "prefill", "mixed"), 0)
         # request id -> whether anyone reads its outputs before it finishes (a stream); None: all.
         # The engine loop's blocking generate() waits for final outputs only, so per-step
         # RequestOutputs of its requests (token lists copied every step) are not built.
@@ -141,10 +147,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             outputs, self._pending = self._pending, []
+            t0 = time.perf_counter()
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
             self.num_steps += 1
+            decodes = sum(len(c.token_ids) == 1 for c in batch.plan.chunks)
+            kind = "decode" if decodes == len(batch.plan.chunks) else "prefill" if not decodes else "mixed"
+            self.step_kinds[kind] += 1
+            self.step_seconds["schedule"] += time.perf_counter() - t0
             try:
                 sampled, nan_rows = self._run(batch)
             except Exception as exc:  # any executor failure ends the running requests, not the engine
@@ -152,6 +163,7 @@ class LLMEngine:
                 log.error("model execution failed", exc_info=exc)
                 running = dict.fromkeys(s.request_id for s in self.scheduler.running)
                 return outputs + self._fail(running, f"model execution failed: {type(exc).__name__}: {exc}")
+            t0 = time.perf_counter()
             touched: dict[str, _Request] = {}
             poisoned: dict[str, None] = {}
             rows = self.scheduler.postprocess(batch, sampled.token_ids)
@@ -174,6 +186,7 @@ class LLMEngine:
                     outputs.append(self._output(req))
                 if req.finished:
                     del self._requests[req.request_id]
+            self.step_seconds["postprocess"] += time.perf_counter() - t0
             return outputs
 
     def generate(self, requests: Iterable[str | list[int] | tuple[str | list[int], SamplingParams]],
@@ -218,6 +231,8 @@ class LLMEngine:
                 "preemptions": self.scheduler.num_preemptions,
                 "steps": self.num_steps,
                 "failed_steps": self.num_failed_steps,
+                "step_kinds": dict(self.step_kinds),
+                "step_seconds": {k: round(v, 6) for k, v in self.step_seconds.items()},
                 "weight_version": self.weight_version,
                 "tokenizer": None if self.tokenizer is None else "loaded",
                 "note": NO_TOKENIZER_NOTE if self.tokenizer is None else None,
@@ -226,14 +241,19 @@ class LLMEngine:
     # ---- internals ----------------------------------------------------------------
     def _run(self, batch: ScheduledBatch) -> tuple[SamplerOutput, set[int]]:
         rows = batch.sampled_seqs
+        t0 = time.perf_counter()
         logits = self.execute(batch.plan)
+        t1 = time.perf_counter()
+        self.step_seconds["execute"] += t1 - t0
         if logits is None and not rows:  # a step of partial prefill chunks only: nothing to sample
             return SamplerOutput([], []), set()
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(rows):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise RuntimeError(f"executor returned logits {shape}, expected [{len(rows)}, vocab]")
         nan_rows = set(torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist())
-        return self.sampler(logits, [s.params for s in rows], [s.generator for s in rows]), nan_rows
+        out = self.sampler(logits, [s.params for s in rows], [s.generator for s in rows])
+        self.step_seconds["sample"] += time.perf_counter() - t1
+        return out, nan_rows
 
     def _fail(self, request_ids: Iterable[str], message: str) -> list[RequestOutput]:
         """End these requests with finish_reason "error"; their KV may be half-written or garbage."""
