@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from service.model import gemv, moe_kernels  # noqa: E402
+from service.model import gemv, moe_kernels, pdl  # noqa: E402
 
 # (name, N, K) of the small preset: hidden 2048, 16 heads, q_lora 768, kv_lora 512 + rope 64,
 # latent 1024, shared expert 768, dense MLP 5632, vocab 32768.
@@ -149,11 +149,12 @@ def sweep_experts(x, w13s, w2s, wts, ids) -> dict:
         def gate_up(a, c=cfg):
             moe_kernels._gate_up_kernel[(pairs, triton_cdiv(shard, c["BLOCK_N"]))](
                 x, a, ids, h, width, shard, x.stride(0), a.stride(0), a.stride(1), h.stride(0), 1.0, 1.0,
-                TOP_K=top_k, ACT=0, CLIP_UP=False, **c)
+                TOP_K=top_k, ACT=0, CLIP_UP=False, **c, **pdl.launch(x.device))
 
         def down(b, c=cfg):
             moe_kernels._down_kernel[(pairs, triton_cdiv(width, c["BLOCK_N"]))](
-                h, b, ids, wts, part, width, shard, h.stride(0), b.stride(0), b.stride(1), part.stride(0), **c)
+                h, b, ids, wts, part, width, shard, h.stride(0), b.stride(0), b.stride(1), part.stride(0), **c,
+                **pdl.launch(h.device))
 
         for name, fn, ws, nbytes in (("gate_up", gate_up, w13s, pairs * 2 * shard * width * 2),
                                      ("down", down, w2s, pairs * shard * width * 2)):

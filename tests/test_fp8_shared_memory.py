@@ -31,6 +31,8 @@ def shared_bytes(kernel, consts: dict, num_warps: int, num_stages: int) -> int:
         from triton.backends.nvidia.driver import CudaDriver
         backends["nvidia"] = Backend(compiler=nvidia.CUDABackend, driver=CudaDriver)
     names = kernel.arg_names
+    if "PDL" in names:  # the GPU launch on sm_90: programmatic dependent launch (model/pdl.py)
+        consts = {"PDL": True, **consts}
     sig, attrs = {}, {}
     for i, a in enumerate(names):
         sig[a] = ("constexpr" if a in consts else "*" + POINTERS.get(a, "fp32") if a.endswith("_ptr")
@@ -40,7 +42,8 @@ def shared_bytes(kernel, consts: dict, num_warps: int, num_stages: int) -> int:
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
+                                  options={"num_warps": num_warps, "num_stages": num_stages,
+                                           "launch_pdl": consts.get("PDL", False)})
     except RuntimeError as e:  # e.g. no ptxas in this install
         pytest.skip(f"cannot compile for sm_90 here: {e}")
     return compiled.metadata.shared

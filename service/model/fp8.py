@@ -23,7 +23,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..weights import fp8 as fmt
 from ..weights.specs import check_fp8_layout, weight_specs
-from . import gemv, moe_kernels
+from . import gemv, moe_kernels, pdl
 
 try:
     import triton
@@ -81,12 +81,13 @@ if triton is not None:
     @triton.jit
     def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
                       BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[m, n] = sum_k x[m, k] * w[n, k] * s[n // BN, k // BK]: each weight tile is read
         once as FP8, scaled by its block's scale in fp32 and rounded to x's dtype for the dot.
         BLOCK_K divides BK, so a K step lies in one scale block: one scale per column per step
         (a [BLOCK_N] vector; per element it was a [BLOCK_K, BLOCK_N] fp32 tile, 4x the weight's
         bytes through shared memory: 240 KB at 64 x 128 tiles and 3 stages on the H200)."""
+        pdl.enter(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,8 +108,10 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr):
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
+                          PDL: tl.constexpr):
         """One token's group of GROUP activations: scale = amax / 448, q = x / scale in FP8."""
+        pdl.enter(PDL)
         row, g = tl.program_id(0), tl.program_id(1)
         k = g * GROUP + tl.arange(0, GROUP)
         kmask = k < K
@@ -120,9 +123,11 @@ if triton is not None:
 
     @triton.jit
     def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn,
-                     stride_om, BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     stride_om, BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PDL: tl.constexpr):
         """out = sum over K blocks of (a_q . w_q^T) in FP8 tensor cores (fp32 accumulate), each
         block's partial scaled by its token-group scale (rows) and weight block scale (columns)."""
+        pdl.enter(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,12 +164,13 @@ if triton is not None:
     @triton.jit
     def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                         BLOCK_K: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
         """gemv.py's bandwidth-shaped decode GEMM on FP8 rows: BLOCK_N output rows per program
         (the grid covers every SM twice), K streamed in steps of BLOCK_K // SUB scale blocks
         (SUB = min(BK, BLOCK_K)), the weight tile scaled elementwise, fp32 throughout. At one
         row the products accumulate elementwise and reduce once at the end: per-step
         reductions made this kernel 3x slower than the bf16 GEMV for half the bytes."""
+        pdl.enter(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
         kblocks = tl.cdiv(K, BK)
@@ -212,7 +218,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
         _gemv_fp8_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
             BN=bn, BK=bk, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-            SUB=min(bk, block_k), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            SUB=min(bk, block_k), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **pdl.launch(x.device))
         return out
     if m >= w8a8_min_rows() and bk in (64, 128, 256):
         return _linear_w8a8(x, weight, scale, out, bn, bk)
@@ -220,7 +227,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     # Shared memory (sm_90, Triton 3.6, bf16, compiled offline): 24-113 KB at these tiles and 3 stages (limit 227).
     _w8a16_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
                         out.stride(0), BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, bk),
-                        num_warps=4, num_stages=3)
+                        num_warps=4, num_stages=3, **pdl.launch(x.device))
     return out
 
 
@@ -239,12 +246,13 @@ def _linear_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out
     groups = triton.cdiv(k, bk)
     xq = torch.empty(m, k, dtype=weight.dtype, device=x.device)
     xs = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(m, groups)](x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), GROUP=bk, num_warps=4)
+    _act_quant_kernel[(m, groups)](x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), GROUP=bk, num_warps=4,
+    **pdl.launch(x.device))
     block_m = 64 if m <= 256 else 128
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 128))
     _w8a8_kernel[grid](xq, xs, weight, scale, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0),
                        scale.stride(0), out.stride(0), BN=bn, BK=bk, BLOCK_M=block_m, BLOCK_N=128,
-                       num_warps=8 if block_m == 128 else 4, num_stages=3)
+                       num_warps=8 if block_m == 128 else 4, num_stages=3, **pdl.launch(xq.device))
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..weights.fp8 import FP8, implied_block
-from . import act_kernels, moe_grouped, moe_kernels
+from . import act_kernels, moe_grouped, moe_kernels, pdl
 from .moe_kernels import ACTS, triton
 
 if triton is not None:
@@ -38,7 +38,8 @@ if triton is not None:
                             width, shard, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, beta,
                             linear_beta, BN: tl.constexpr, BK: tl.constexpr, TOP_K: tl.constexpr,
                             ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         b = tl.program_id(0)
         if b >= tl.load(used_ptr):
             return
@@ -76,7 +77,8 @@ if triton is not None:
     def _down_fp8_kernel(h_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, used_ptr, weights_ptr, part_ptr,
                          num_pairs, width, shard, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_p,
                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         b = tl.program_id(0)
         if b >= tl.load(used_ptr):
             return
@@ -124,15 +126,13 @@ def grouped_experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, li
         x, w13, s13, sorted_pairs, block_expert, used, h, num_pairs, width, shard, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), float(beta), float(linear_beta or 1.0),
         BN=bn13, BK=bk13, TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, **cfg)
+        BLOCK_K=bk, **cfg, **pdl.launch(x.device))
     part = torch.empty(num_pairs, width_out, dtype=torch.float32, device=x.device)
     _down_fp8_kernel[(blocks, triton.cdiv(width_out, bn))](
         h, w2, s2, sorted_pairs, block_expert, used, weights, part, num_pairs, width_out, shard, h.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), part.stride(0), BN=bn2, BK=bk2, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, **cfg)
-    moe_kernels._slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](
-        part, out, width_out, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024, num_warps=4)
-    return out
+        BLOCK_N=bn, BLOCK_K=bk, **cfg, **pdl.launch(h.device))
+    return moe_kernels.slot_sum(part, out, top_k)
 
 
 if triton is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import act_kernels, fp8, fp8_grouped, moe_kernels
+from . import act_kernels, fp8, fp8_grouped, moe_kernels, pdl
 
 triton, tl = fp8.triton, (fp8.tl if fp8.triton is not None else None)
 
@@ -75,7 +75,9 @@ if triton is not None:
     def _gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, width, shard, stride_x, stride_we, stride_wn,
                             stride_se, stride_sn, stride_h, beta, linear_beta, BN: tl.constexpr, BK: tl.constexpr,
                             TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                            PDL: tl.constexpr):
+        pdl.enter(PDL)
         NB: tl.constexpr = BLOCK_K // SUB  # scale blocks per K step (SUB = min(BK, BLOCK_K))
         p = tl.program_id(0)  # (token, slot) pair
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,7 +112,8 @@ if triton is not None:
     @triton.jit
     def _down_fp8_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, part_ptr, width, shard, stride_h, stride_we,
                          stride_wn, stride_se, stride_sn, stride_p, BN: tl.constexpr, BK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         NB: tl.constexpr = BLOCK_K // SUB
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,15 +164,14 @@ def _experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, linear_be
     _gate_up_fp8_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
         x, w13, s13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), float(beta), float(linear_beta or 1.0), BN=bn, BK=bk, TOP_K=top_k, ACT=moe_kernels.ACTS[act],
-        CLIP_UP=linear_beta is not None, SUB=min(bk, gate_cfg["BLOCK_K"]), **gate_cfg)
+        CLIP_UP=linear_beta is not None, SUB=min(bk, gate_cfg["BLOCK_K"]), **gate_cfg, **pdl.launch(x.device))
     bn2, bk2 = fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))
     part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
     _down_fp8_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
         h, w2, s2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), part.stride(0), BN=bn2, BK=bk2, SUB=min(bk2, down_cfg["BLOCK_K"]), **down_cfg)
-    moe_kernels._slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](
-        part, out, width_out, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024, num_warps=4)
-    return out
+        s2.stride(1), part.stride(0), BN=bn2, BK=bk2, SUB=min(bk2, down_cfg["BLOCK_K"]), **down_cfg,
+        **pdl.launch(h.device))
+    return moe_kernels.slot_sum(part, out, top_k)
 
 
 if triton is not None:

@@ -25,7 +25,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-from . import act_kernels
+from . import act_kernels, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
@@ -89,7 +89,8 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nmask = n < N
@@ -110,9 +111,10 @@ if triton is not None:
     @triton.jit
     def _gated_gemv_kernel(x_ptr, w_ptr, h_ptr, M, INTER, K, stride_x, stride_w, stride_h, beta, linear_beta,
                            ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """h = act(x @ gate^T) * (x @ up^T) for W = [gate rows; up rows]: the MLP's first half
         and its activation in one pass over W. Roundings as layers.act_and_mul after a GEMM."""
+        pdl.enter(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nmask = n < INTER
@@ -149,7 +151,7 @@ if triton is not None:
         n = weight.shape[0]
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(m), **cfg)
+            BLOCK_M=triton.next_power_of_2(m), **cfg, **pdl.launch(x2.device))
 
     def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
@@ -174,7 +176,7 @@ if triton is not None:
         _gated_gemv_kernel[(triton.cdiv(inter, cfg["BLOCK_N"]),)](
             x2, weight, h, m, inter, k, x2.stride(0), weight.stride(0), h.stride(0), float(beta),
             float(linear_beta or 1.0), ACT=ACTS[act], CLIP_UP=linear_beta is not None,
-            BLOCK_M=triton.next_power_of_2(m), **cfg)
+            BLOCK_M=triton.next_power_of_2(m), **cfg, **pdl.launch(x2.device))
         return h.view(*x.shape[:-1], inter)
 
     @torch.library.custom_op("latentserve::gated_gemv", mutates_args=())

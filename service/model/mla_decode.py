@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -77,7 +79,8 @@ if triton is not None:
                           num_heads, scale,
                           BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          IEEE: tl.constexpr):
+                          IEEE: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         b = tl.program_id(0)
         hblk = tl.program_id(1)
         split = tl.program_id(2)
@@ -135,8 +138,10 @@ if triton is not None:
 
     @triton.jit
     def _mla_decode_merge(o_ptr, lse_ptr, out_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                          num_heads, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D_LAT: tl.constexpr):
+                          num_heads, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D_LAT: tl.constexpr,
+                          PDL: tl.constexpr):
         """One program per (sequence, head): the log-sum-exp weighted mean of its splits."""
+        pdl.enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, S_PAD)
@@ -185,14 +190,14 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        NUM_SPLITS=splits, IEEE=ieee, **launch,
+        NUM_SPLITS=splits, IEEE=ieee, **launch, **pdl.launch(q_cat.device),
     )
     if splits == 1:
         return o[:, 0]
     out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32, device=q_cat.device)
     _mla_decode_merge[(b, h)](o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
                               h, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), D_LAT=kv_lora_rank,
-                              num_warps=4)
+                              num_warps=4, **pdl.launch(o.device))
     return out
 
 

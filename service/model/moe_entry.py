@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import act_kernels, gemv, moe_kernels
+from . import act_kernels, gemv, moe_kernels, pdl
 
 try:
     import triton
@@ -56,7 +56,9 @@ if triton is not None:
     @triton.jit
     def _entry_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr,
                       K, L, INTER, E, stride_d, stride_s, stride_r, beta, linear_beta,
-                      ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
+        pdl.enter(PDL)
         pid = tl.program_id(0)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
@@ -98,7 +100,7 @@ if triton is not None:
         _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, k, latent_dim, inter, experts,
                                down.stride(0), shared_gate_up.stride(0), router.stride(0), float(beta),
                                float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None,
-                               BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
+                               BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, **pdl.launch(x.device))
         return latent, h, logits
 
     @torch.library.custom_op("latentserve::moe_entry", mutates_args=())

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from . import act_kernels, moe_kernels
+from . import act_kernels, moe_kernels, pdl
 from .moe_kernels import ACTS, INTERPRET, triton
 
 if triton is not None:
@@ -91,12 +91,13 @@ if triton is not None:
 
     @triton.jit
     def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs,
-                      BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                      BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         """Program per expert. Each counts every expert's pairs (a histogram of all M*k ids, a few
         KB from L2, repeated per program), so it knows its first row (the padded counts of the
         experts before it); then it writes its own pairs in pair order (a prefix sum of its
         matches), its padding rows and its blocks' expert. No program reads what another
         writes: no atomics, no barriers, the same result every time."""
+        pdl.enter(PDL)
         expert = tl.program_id(0)
         c = tl.arange(0, CHUNK)
         counts = tl.zeros([BINS], tl.int32)
@@ -132,9 +133,11 @@ if triton is not None:
                         stride_x, stride_we, stride_wn, stride_h, beta, linear_beta,
                         TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr, IEEE: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
         """Program (row block, N block): h[rows, n] = act(x[tokens] @ gate[e, n]^T, x[tokens] @ up[e, n]^T),
         rows in sorted (expert-grouped) order."""
+        pdl.enter(PDL)
         b = tl.program_id(0)
         if b >= tl.load(used_ptr):
             return
@@ -183,9 +186,10 @@ if triton is not None:
     def _down_kernel(h_ptr, w2_ptr, sorted_ptr, block_expert_ptr, used_ptr, weights_ptr, part_ptr, num_pairs,
                      width, shard, stride_h, stride_we, stride_wn, stride_p,
                      IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """Program (row block, N block of the output width): part[pair, n] = weight[pair] *
         (h[rows] @ w2[e, n]^T), the GEMM output rounded to the activation dtype, then fp32."""
+        pdl.enter(PDL)
         b = tl.program_id(0)
         if b >= tl.load(used_ptr):
             return
@@ -235,7 +239,8 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     bins = max(32, triton.next_power_of_2(num_experts))
     chunk = min(4096, max(256, triton.next_power_of_2(num_pairs)))
     _align_kernel[(num_experts,)](ids.contiguous().view(-1), sorted_pairs, block_expert, used, num_pairs,
-                                  BINS=bins, BLOCK_M=block_m, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8)
+                                  BINS=bins, BLOCK_M=block_m, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8,
+                                  **pdl.launch(ids.device))
     return sorted_pairs, block_expert, used
 
 
@@ -260,15 +265,14 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         x, w13, sorted_pairs, block_expert, used, h, num_pairs, width, shard,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), float(beta), float(linear_beta or 1.0),
         TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None, IEEE=ieee, EVEN_K=width % bk == 0,
-        EVEN_N=shard % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+        EVEN_N=shard % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg, **pdl.launch(x.device))
     part = torch.empty(num_pairs, width_out, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(width_out, bn))](
         h, w2, sorted_pairs, block_expert, used, weights, part, num_pairs, width_out, shard,
         h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
-        IEEE=ieee, EVEN_K=shard % bk == 0, EVEN_N=width_out % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
-    moe_kernels._slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](
-        part, out, width_out, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK=1024, num_warps=4)
-    return out
+        IEEE=ieee, EVEN_K=shard % bk == 0, EVEN_N=width_out % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg,
+        **pdl.launch(h.device))
+    return moe_kernels.slot_sum(part, out, top_k)
 
 
 if triton is not None:

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from . import act_kernels
+from . import act_kernels, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
@@ -88,8 +88,9 @@ if triton is not None:
 
     @triton.jit
     def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, hidden, num_experts, stride_x, stride_w, stride_l,
-                              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         """Program (token, block of experts): fp32 logits of BLOCK_E experts over the whole hidden."""
+        pdl.enter(PDL)
         t = tl.program_id(0)
         e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         emask = e < num_experts
@@ -107,8 +108,9 @@ if triton is not None:
     def _route_select_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
                              E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
                              TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                             NORM: tl.constexpr, SOFTMAX: tl.constexpr):
+                             NORM: tl.constexpr, SOFTMAX: tl.constexpr, PDL: tl.constexpr):
         """Program per token: scores, bias, group-limited choice, top-k, weights."""
+        pdl.enter(PDL)
         t = tl.program_id(0)
         e = tl.arange(0, E_PAD)
         emask = e < E
@@ -153,7 +155,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, width, shard, stride_x, stride_we, stride_wn, stride_h,
                         beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         p = tl.program_id(0)  # (token, slot) pair
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < shard
@@ -177,9 +180,10 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, part_ptr, width, shard, stride_h, stride_we, stride_wn,
-                     stride_p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     stride_p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """Program (pair, block of output rows): the weighted down projection of one expert for
         one token, in fp32 (each slot's GEMM output rounded to the activation dtype first)."""
+        pdl.enter(PDL)
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < width
@@ -196,8 +200,10 @@ if triton is not None:
         tl.store(part_ptr + p * stride_p + n, y, mask=nmask)
 
     @triton.jit
-    def _slot_sum_kernel(part_ptr, out_ptr, width, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _slot_sum_kernel(part_ptr, out_ptr, width, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
         """out[t] = sum over the token's slots in slot order (deterministic), in the output dtype."""
+        pdl.enter(PDL)
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         nmask = n < width
@@ -225,7 +231,7 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: i
     block_h = min(1024, triton.next_power_of_2(hidden))
     _router_logits_kernel[(m, triton.cdiv(num_experts, 4))](
         x, weight, logits, hidden, num_experts, x.stride(0), weight.stride(0), logits.stride(0),
-        BLOCK_E=4, BLOCK_H=block_h, num_warps=4)
+        BLOCK_E=4, BLOCK_H=block_h, num_warps=4, **pdl.launch(x.device))
     _select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
     return weights, ids
 
@@ -237,7 +243,8 @@ def _select(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids
     _route_select_kernel[(logits.shape[0],)](
         logits, bias, weights, ids, logits.stride(0), float(scaling), E=num_experts, E_PAD=e_pad,
         N_GROUP=max(1, n_group), TOPK_GROUP=max(1, topk_group), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        NORM=bool(norm_topk_prob), SOFTMAX=bool(softmax), num_warps=4 if e_pad <= 256 else 8)
+        NORM=bool(norm_topk_prob), SOFTMAX=bool(softmax), num_warps=4 if e_pad <= 256 else 8,
+        **pdl.launch(logits.device))
 
 
 def expert_configs(pairs: int) -> tuple[dict, dict]:
@@ -267,16 +274,23 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     _gate_up_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
         x, w13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None,
-        **gate_cfg)
+        **gate_cfg, **pdl.launch(x.device))
     # One program per (pair, 32 output rows), then the slot sum: a token's experts in parallel
     # (looping over them in one program left the kernel latency-bound: 41 us per layer at batch 1).
     width_out = w2.shape[1]
     part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
     _down_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
         h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
-        **down_cfg)
+        **down_cfg, **pdl.launch(h.device))
+    return slot_sum(part, out, top_k)
+
+
+def slot_sum(part: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out[t] = the sum of part's top_k rows of token t (fp32, then out's dtype)."""
+    m, width_out = out.shape
     _slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](part, out, width_out, part.stride(0), out.stride(0),
-                                                         TOP_K=top_k, BLOCK=1024, num_warps=4)
+                                                         TOP_K=top_k, BLOCK=1024, num_warps=4,
+                                                         **pdl.launch(part.device))
     return out
 
 

@@ -78,7 +78,7 @@ def test_w8a8_kernel_matches_quantized_activation_reference(m, n, k, monkeypatch
         out = torch.empty(m, n, dtype=ACT_DTYPE)
         fp8._w8a8_kernel[(triton.cdiv(m, 64), triton.cdiv(n, 128))](
             xq, xs, q, s, out, m, n, k, xq.stride(0), xs.stride(0), q.stride(0), s.stride(0), out.stride(0),
-            BN=128, BK=128, BLOCK_M=64, BLOCK_N=128)
+            BN=128, BK=128, BLOCK_M=64, BLOCK_N=128, PDL=False)
     else:
         out = torch.ops.latentserve.fp8_linear(x, q, s)
     err = (out.double() - ref8).abs().max().item()

@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and later.
+
+A decode step is hundreds of small kernels in a CUDA graph, each ~3-10 us on the H200, and
+every boundary between two of them costs a launch and a ramp-up in which the next kernel does
+nothing. Launched with PDL, a kernel may start while the one before it in the stream is still
+finishing: its programs are scheduled early and wait in `griddepcontrol.wait` until the previous
+kernel has completed and its writes are visible. Every kernel here calls `enter(PDL)` first, so
+nothing it reads or writes is touched before that wait (no read of an input still being written,
+no write over a buffer the previous kernel still reads), then lets its own dependents launch.
+
+Off in the Triton interpreter (no inline PTX), below sm_90, and with LATENTSERVE_PDL=0 (the
+bench's baseline).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU-only installs, or a Triton without grid dependency control
+    triton = None
+
+
+def enabled(device: torch.device) -> bool:
+    if triton is None or device.type != "cuda" or os.environ.get("LATENTSERVE_PDL", "1") == "0":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def launch(device: torch.device) -> dict:
+    """Launch keywords of a kernel that takes the `PDL` constexpr and calls `enter(PDL)` first."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+
+
+if triton is not None:
+
+    @triton.jit
+    def enter(PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
