@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--splits", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="split counts the sweep tries")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2], help="pipeline stages the sweep tries")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -78,7 +80,7 @@ def main() -> None:
                "default": default}
         if args.sweep:
             best = (t_ours, default)
-            for splits, bn, warps, stages in itertools.product((4, 8, 16, 32, 64), (32, 64), (4, 8), (1, 2)):
+            for splits, bn, warps, stages in itertools.product(args.splits, (32, 64), (4, 8), args.stages):
                 if b * splits > 8192:
                     continue
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
