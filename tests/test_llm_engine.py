@@ -9,6 +9,8 @@ not rebuild the cache raises (the engine then fails the request) or changes the 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -382,3 +384,59 @@ def test_nan_logits_fail_only_their_request(solo_outputs):
     assert a.outputs[0].token_ids == solo_outputs[0].outputs[0].token_ids[:3]
     assert b.error is None and tokens(b) == tokens(solo_outputs[1])
     assert engine.stats()["free_blocks"] == 64
+
+
+def test_requests_are_taken_while_a_step_runs():
+    """add_request never waits for a running step: the step holds the engine's lock through the
+    model's forward and the wait for its logits (whole seconds for an eager prefill on a GPU),
+    and on the H200 HTTP clients' adds queued behind it. A step blocked in the model must still
+    take new requests, refuse a duplicate id, and admit them all at the next step."""
+    release, entered = threading.Event(), threading.Event()
+    model = PagedToyModel(num_blocks=64, block_size=4)
+
+    def blocking(plan):
+        entered.set()
+        assert release.wait(60), "the test never released the step"
+        return model(plan)
+
+    engine, _ = make_engine(model=blocking)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("first", PROMPTS[0], None, greedy)
+    stepper = threading.Thread(target=engine.step)
+    stepper.start()
+    assert entered.wait(30)
+    added = []
+
+    def add_more():
+        engine.add_request("second", PROMPTS[1], None, greedy)
+        with pytest.raises(InvalidRequest, match="already in use"):
+            engine.add_request("first", PROMPTS[2], None, greedy)
+        with pytest.raises(InvalidRequest, match="already in use"):
+            engine.add_request("second", PROMPTS[2], None, greedy)
+        added.append(True)
+
+    adder = threading.Thread(target=add_more)
+    adder.start()
+    adder.join(30)
+    blocked = adder.is_alive()
+    release.set()
+    stepper.join(30)
+    adder.join(30)
+    assert not blocked, "add_request waited for the running step"
+    assert added == [True]
+    assert engine.num_unfinished() == 2 and engine.stats()["waiting"] == 1
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(outs) == {"first", "second"}
+    assert tokens(outs["second"]) == tokens(solo(PROMPTS[1], greedy))
+
+
+def test_abort_of_a_request_not_yet_admitted():
+    engine, _ = make_engine()
+    engine.add_request("queued", PROMPTS[0], None, SamplingParams(temperature=0, max_tokens=4))
+    assert engine.stats()["waiting"] == 1 and engine.has_unfinished()
+    assert engine.abort_request("queued", "client went away")
+    (out,) = engine.step() or engine.drain_outputs()
+    assert out.request_id == "queued" and out.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished() and engine.stats()["free_blocks"] == 64

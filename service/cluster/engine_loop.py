@@ -56,9 +56,11 @@ class EngineLoop:
             self._cv.notify_all()
 
     def abort(self, request_ids: list[str]) -> None:
+        # Outside _cv: an abort waits for a running step (the engine's lock), and holding _cv
+        # through it would stall the loop's publishing and every poll for that step.
+        for rid in request_ids:
+            self.engine.abort_request(rid)
         with self._cv:
-            for rid in request_ids:
-                self.engine.abort_request(rid)
             self._cv.notify_all()
 
     def poll(self, timeout: float = 1.0) -> list[RequestOutput]:

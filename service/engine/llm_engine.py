@@ -65,6 +65,13 @@ class LLMEngine:
         self.sampler = Sampler()
         self.weight_version = 0  # set by the worker after a weight update; tags every output
         self._requests: dict[str, _Request] = {}
+        # New requests wait here, under their own short lock, until the next step admits them:
+        # add_request must not wait for a running step (which holds _lock through the model's
+        # forward and the wait for its logits). Behind the step lock, the H200's HTTP clients'
+        # adds and the output polls queued for whole steps: TTFT p50 2.6 s at 64 streams, 11.8 s
+        # at 256, with tokens reaching the streams in bursts (bench/RESULTS.md, 2026-12-03).
+        self._inbox: dict[str, _Request] = {}
+        self._inbox_lock = threading.Lock()
         self._pending: list[RequestOutput] = []  # reported at the next step (aborts, foreign outputs)
         self._seq_ids = itertools.count()
         self._gen_ids = itertools.count()
@@ -86,25 +93,38 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams) -> None:
-        with self._lock:
-            ids = self._validate(request_id, prompt, prompt_token_ids, params)
-            seqs = []
-            for index in range(params.n):
-                seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index,
-                               prompt_token_ids=list(ids), params=params,
-                               generator=make_generator(params.seed, index),
-                               logprobs=[] if params.logprobs is not None else None)
-                if self.tokenizer is not None:
-                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                seqs.append(seq)
-            self._requests[request_id] = _Request(request_id, prompt, list(ids), params, seqs)
-            for seq in seqs:
-                self.scheduler.add(seq)
+        """Validate and queue a request (InvalidRequest says why not); the next step admits it.
+        Never waits for a running step."""
+        ids = self._validate(request_id, prompt, prompt_token_ids, params)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index,
+                           prompt_token_ids=list(ids), params=params,
+                           generator=make_generator(params.seed, index),
+                           logprobs=[] if params.logprobs is not None else None)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            seqs.append(seq)
+        with self._inbox_lock:
+            if request_id in self._requests or request_id in self._inbox:
+                raise InvalidRequest(f"request_id {request_id!r} is already in use")
+            self._inbox[request_id] = _Request(request_id, prompt, list(ids), params, seqs)
+
+    def _admit(self) -> None:
+        """Queued requests into the scheduler (under _lock). Under the inbox lock throughout, so
+        a request id is always in one of the two maps for add_request's check."""
+        with self._inbox_lock:
+            for rid, req in self._inbox.items():
+                self._requests[rid] = req
+                for seq in req.seqs:
+                    self.scheduler.add(seq)
+            self._inbox = {}
 
     def abort_request(self, request_id: str, reason: str | None = None) -> bool:
         """Stop a request; its final output (finish_reason "abort", `reason` in its error field)
         comes with the next step() or drain_outputs()."""
         with self._lock:
+            self._admit()
             req = self._requests.pop(request_id, None)
             if req is None:
                 return False
@@ -118,6 +138,7 @@ class LLMEngine:
     def abort_all(self, reason: str | None = None) -> list[str]:
         """Abort every unfinished request; returns their ids."""
         with self._lock:
+            self._admit()
             ids = list(self._requests)
             for rid in ids:
                 self.abort_request(rid, reason)
@@ -137,17 +158,18 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._requests or self._pending)
+            return bool(self._requests or self._pending or self._inbox)
 
     def num_unfinished(self) -> int:
         with self._lock:
-            return len(self._requests)
+            return len(self._requests) + len(self._inbox)
 
     # ---- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self._lock:
             outputs, self._pending = self._pending, []
             t0 = time.perf_counter()
+            self._admit()
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
@@ -223,8 +245,8 @@ class LLMEngine:
         with self._lock:
             return {
                 "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "requests": len(self._requests),
+                "waiting": len(self.scheduler.waiting) + len(self._inbox),
+                "requests": len(self._requests) + len(self._inbox),
                 "free_blocks": self.block_manager.num_free_blocks,
                 "num_blocks": self.block_manager.num_blocks,
                 "block_size": self.block_manager.block_size,
@@ -269,6 +291,7 @@ class LLMEngine:
 
     def _drop(self, request_id: str) -> None:
         """Forget a request without reporting it."""
+        self._admit()
         for seq in self._requests.pop(request_id).seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -334,8 +357,6 @@ class LLMEngine:
                   params: SamplingParams) -> list[int]:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest("request_id must be a non-empty string")
-        if request_id in self._requests:
-            raise InvalidRequest(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
