@@ -135,6 +135,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens, computed once: the `tokenizers` call behind it
+        builds the whole added-token table, 25-45 ms at the 32768-token presets' vocabulary, and
+        it ran for every sequence (6 s of a 256-request wave on the H200's offline engine)."""
+        return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
+    def byte_table(self) -> dict[str, int] | None:
+        return _byte_level_table(self.hf)
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         # Post-processors of loaded tokenizers may add BOS themselves: we own that choice.
         ids = self.hf.encode(text, add_special_tokens=False).ids
@@ -203,8 +214,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._byte_of = _byte_level_table(tokenizer.hf)
-        self._special = {i for i, t in tokenizer.hf.get_added_tokens_decoder().items() if t.special}
+        self._byte_of = tokenizer.byte_table
+        self._special = tokenizer.special_ids
         self._ids: list[int] = []
         self._prefix = self._read = 0  # window for the re-decoding fallback
 
