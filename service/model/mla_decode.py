@@ -35,8 +35,9 @@ BLOCK_H = 16  # tl.dot needs at least 16 rows; fewer heads are masked
 # The split count and launch shape by the number of (sequence, head block) programs, from
 # bench/mla_decode.py --sweep on the H200 (2026-12-03, 16 heads, context 1024, bf16): 32 splits
 # of 32-token steps for one sequence (9.5 -> 8.1 us), 16 of 64 for 8 (16.0 -> 12.0 us), 4 of 32
-# with 4 warps from 64 on (50.6 -> 43.0 us at 64, 152.6 -> 142.8 us at 256).
-MAX_SPLITS, MIN_SPLITS, SPLIT_PROGRAMS = 32, 4, 128
+# with 4 warps at 64 (50.6 -> 43.0 us), and from 256 programs on one split (no merge) with 3
+# stages (147.3 us with 4 splits -> 119.0 us at 256).
+MAX_SPLITS, MIN_SPLITS, SPLIT_PROGRAMS, ONE_SPLIT_PROGRAMS = 32, 4, 128, 256
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -58,7 +59,10 @@ def _programs(batch: int, num_heads: int) -> int:
 
 
 def num_splits(batch: int, num_heads: int) -> int:
-    return max(MIN_SPLITS, min(MAX_SPLITS, SPLIT_PROGRAMS // _programs(batch, num_heads)))
+    programs = _programs(batch, num_heads)
+    if programs >= ONE_SPLIT_PROGRAMS:
+        return 1
+    return max(MIN_SPLITS, min(MAX_SPLITS, SPLIT_PROGRAMS // programs))
 
 
 def launch_config(batch: int, num_heads: int) -> dict:
@@ -67,7 +71,7 @@ def launch_config(batch: int, num_heads: int) -> dict:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
     if programs <= 16:
         return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
-    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3 if programs >= ONE_SPLIT_PROGRAMS else 2}
 
 
 if triton is not None:

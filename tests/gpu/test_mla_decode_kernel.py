@@ -75,9 +75,10 @@ def test_mla_decode_matches_reference(dtype, tol, batch, heads, splits):
 def test_split_count_depends_on_batch_only():
     # A CUDA graph captured at a batch size must stay valid for every context length.
     # bench/mla_decode.py --sweep on the H200: 32 splits best for one sequence (one program), 16
-    # for 8, 4 from 64 sequences on.
+    # for 8, 4 at 64, one (no merge) from 256 programs on.
     assert mla_decode.num_splits(1, 16) == 32
     assert mla_decode.num_splits(8, 16) == 16
     assert mla_decode.num_splits(64, 16) == 4
-    assert mla_decode.num_splits(512, 128) == 4
+    assert mla_decode.num_splits(256, 16) == 1
+    assert mla_decode.num_splits(512, 128) == 1
     assert mla_decode.launch_config(1, 16) != mla_decode.launch_config(64, 16)
