@@ -94,6 +94,35 @@ class AttnMetadata:
     # Linear-attention (KDA) state rows, one per chunk (see SeqChunk.state_slot).
     state_slots: torch.Tensor | None = None  # [N] long
     state_slots_list: list[int] = dataclasses.field(default_factory=list)
+    _prefill_groups: tuple | None = dataclasses.field(default=None, repr=False)
+
+    def prefill_groups(self) -> tuple[list[tuple], list[int], tuple[int, int]]:
+        """(groups, others, span) of the prefill chunks, worked out once per step. Chunks that
+        start at position 0 (a whole prompt in this step) are grouped by length, each group as
+        (length, first token of each chunk, token index [n * length] or None when the chunks lie
+        back to back, the same index relative to span[0]); `others` are the rest (a prompt's
+        later chunks); span covers every grouped token."""
+        if self._prefill_groups is None:
+            by_len: dict[int, list[int]] = {}
+            others = []
+            for i in self.prefill_chunks:
+                if self.start_positions[i] == 0:
+                    by_len.setdefault(self.query_lens[i], []).append(self.query_starts[i])
+                else:
+                    others.append(i)
+            firsts = [f for fs in by_len.values() for f in fs]
+            lo = min(firsts, default=0)
+            hi = max((f + n for n, fs in by_len.items() for f in fs), default=0)
+            groups = []
+            for length, fs in by_len.items():
+                idx = rel = None
+                if fs != list(range(fs[0], fs[0] + len(fs) * length, length)):
+                    tok = (np.array(fs, dtype=np.int64)[:, None] + np.arange(length, dtype=np.int64)).reshape(-1)
+                    idx = torch.from_numpy(tok).to(self.positions.device)
+                    rel = torch.from_numpy(tok - lo).to(self.positions.device)
+                groups.append((length, fs, idx, rel))
+            self._prefill_groups = (groups, others, (lo, hi))
+        return self._prefill_groups
 
     @property
     def num_tokens(self) -> int:
@@ -240,7 +269,10 @@ class MLAAttention(nn.Module):
                 out = self._absorbed_decode(q, kv_cache, meta)
             elif meta.decode_token_idx.numel():
                 out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
-            for i in meta.prefill_chunks:
+            groups, others, span = meta.prefill_groups() if meta.prefill_chunks else ([], [], None)
+            if groups:
+                self._whole_prompts(q, latent, kv_cache.dtype, out, groups, span)
+            for i in others:
                 s, e = qsl[i], qsl[i + 1]
                 nblocks = -(-meta.context_lens_list[i] // meta.block_size)
                 ctx = kv_cache[meta.block_tables[i, :nblocks]].view(-1, kv_cache.shape[-1])
@@ -253,11 +285,44 @@ class MLAAttention(nn.Module):
 
     def _expanded(self, q: torch.Tensor, latent: torch.Tensor, start: int) -> torch.Tensor:
         """q [n, heads, qk] at positions start.. attend over latent [S = start + n, kv_cache_dim]."""
-        n, s = q.shape[0], latent.shape[0]
+        k, v = self._keys_values(latent)
+        return self._attend(q[None], k[None], v[None], start)[0]
+
+    def _whole_prompts(self, q: torch.Tensor, latent: torch.Tensor, cache_dtype: torch.dtype, out: torch.Tensor,
+                       groups: list[tuple], span: tuple[int, int]) -> None:
+        """Prompts whole in this step attend to their own tokens only: their keys come from this
+        step's latents (rounded as the cache holds them) through one kv_b GEMM over the span the
+        prompts cover, and prompts of one length attend as one batch, so a layer's launches do
+        not grow with the number of prompts. One gather, GEMM and SDPA per prompt made mixed
+        steps of 64 decodes and a few prompts take ~0.6 s on the H200 (bench/RESULTS.md)."""
+        lo, hi = span
+        lat = latent[lo:hi]
+        if cache_dtype != lat.dtype:
+            lat = lat.to(cache_dtype).to(lat.dtype)
+        k, v = self._keys_values(lat)
+        for length, firsts, idx, rel in groups:
+            n = len(firsts)
+            if idx is None:  # back to back: views, no gather
+                s, r, e = firsts[0], firsts[0] - lo, n * length
+                out[s:s + e] = self._attend(q[s:s + e].view(n, length, *q.shape[1:]),
+                                            k[r:r + e].view(n, length, *k.shape[1:]),
+                                            v[r:r + e].reshape(n, length, *v.shape[1:]), 0).reshape(e, *out.shape[1:])
+                continue
+            o = self._attend(q[idx].view(n, length, *q.shape[1:]), k[rel].view(n, length, *k.shape[1:]),
+                             v[rel].view(n, length, *v.shape[1:]), 0)
+            out[idx] = o.reshape(n * length, *o.shape[2:])
+
+    def _keys_values(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [S, kv_cache_dim] -> per-head keys [S, heads, qk] and values [S, heads, v]."""
+        s = latent.shape[0]
         kv = self.kv_b_proj(latent[:, : self.kv_lora_rank]).view(s, self.num_heads, self.nope + self.v_dim)
         k_pe = latent[:, None, self.kv_lora_rank:].expand(s, self.num_heads, self.rope)
-        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)
-        v = kv[..., self.nope:]
+        return torch.cat([kv[..., : self.nope], k_pe], dim=-1), kv[..., self.nope:]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """q [b, n, heads, qk] at positions start.. over k [b, S = start + n, heads, qk] and v
+        [b, S, heads, v] -> [b, n, heads, v]."""
+        n, s = q.shape[1], k.shape[1]
         if start == 0 and s == n:
             mask, causal = None, True
         else:
@@ -268,12 +333,12 @@ class MLAAttention(nn.Module):
         if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and mask is None and pad > 0:
             # Flash attention needs v as wide as q/k: zero columns, sliced off after.
             v = F.pad(v, (0, pad))
-        # 4-D [1, heads, tokens, dim]: SDPA's fused kernels (flash, memory-efficient) take only
+        # 4-D [b, heads, tokens, dim]: SDPA's fused kernels (flash, memory-efficient) take only
         # 4-D inputs; 3-D ones went to its math path, in fp32, 115 of a 188 ms 8 x 1024 prefill
         # on the H200.
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, is_causal=causal, scale=self.scale)
-        return o[0].transpose(0, 1)[..., : self.v_dim]
+        return o.transpose(1, 2)[..., : self.v_dim]
 
     def _absorbed_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """q [B, heads, qk] (one token per sequence) against its whole cached context."""

@@ -49,3 +49,25 @@ def test_prefill_attention_runs_fused(n, start, backend):
     assert out.shape == (n, attn.num_heads, attn.v_dim)
     err = (out.float() - want).abs().max().item()
     assert err < 0.03 * want.abs().max().item() + 1e-2, err
+
+
+def test_prompts_batched_by_length_run_fused():
+    """Whole prompts of one length attend as one batch [n, heads, len, dim] (_whole_prompts):
+    on flash attention too, as views of the step's back-to-back tokens."""
+    cfg, _ = resolve_model("small")
+    torch.manual_seed(0)
+    attn = MLAAttention(cfg, TPGroup.single(), 0, torch.bfloat16).cuda()
+    n, length = 8, 256
+    with torch.no_grad():
+        attn.kv_b_proj.weight.normal_(0, 0.05)
+        q = torch.randn(n * length, attn.num_heads, attn.qk_dim, device="cuda", dtype=torch.bfloat16)
+        latent = torch.randn(n * length, cfg.kv_cache_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = attn._keys_values(latent)
+        shape = (n, length, attn.num_heads)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = attn._attend(q.view(*shape, -1), k.view(*shape, -1), v.reshape(*shape, -1), 0)
+        for i in (0, n - 1):
+            s = slice(i * length, (i + 1) * length)
+            want = reference(attn, q[s], latent[s], 0)
+            err = (out[i].float() - want).abs().max().item()
+            assert err < 0.03 * want.abs().max().item() + 1e-2, err
