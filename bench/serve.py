@@ -75,8 +75,9 @@ def server_args(args) -> list[str]:
     """`latentserve serve` options of the bench's engine (the offline baseline parses the same)."""
     out = ["--model", args.model, "--tp", str(args.tp), "--dtype", args.dtype, "--device", args.device,
            "--max-num-seqs", str(max(64, max(args.clients))), "--distributed-executor-backend", args.backend]
-    if args.layers:
-        out += ["--hf-overrides", json.dumps({"num_hidden_layers": args.layers})]
+    overrides = {**json.loads(args.hf_overrides or "{}"), **({"num_hidden_layers": args.layers} if args.layers else {})}
+    if overrides:
+        out += ["--hf-overrides", json.dumps(overrides)]
     if args.device.startswith("cuda"):
         out += ["--dummy-weights", "device",
                 "--cuda-graph-batch-sizes", ",".join(map(str, graph_sizes(max(args.clients)))),
@@ -311,6 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, help="default: 2 on the CPU, 1 on CUDA")
     p.add_argument("--backend", choices=["ray", "mp"], help="executor (default: ray on the CPU, mp on CUDA)")
     p.add_argument("--layers", type=int, help="num_hidden_layers override (default: 24 on CUDA, as bench/gpu.py)")
+    p.add_argument("--hf-overrides", help="more config overrides, JSON (e.g. '{\"vocab_size\": 32768}': the GPU "
+                                          "presets' vocabulary, whose tokenizer costs more per request)")
     p.add_argument("--dtype", help="default: auto on the CPU, bfloat16 on CUDA")
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="CUDA: KV cache (256 x 256 tokens need 1.8 GB)")
     p.add_argument("--clients", help="concurrent streams, one load phase per comma-separated level "
