@@ -11,6 +11,7 @@ import torch
 
 from service.config import resolve_model
 from service.engine.plan import SeqChunk
+from service.model import attention
 from service.model.attention import AttnMetadata, MLAAttention, kv_cache_shape
 from service.model.layers import RotaryEmbedding
 from service.parallel import TPGroup
@@ -35,8 +36,10 @@ def chunks() -> list[SeqChunk]:
     return out
 
 
+@pytest.mark.parametrize("scores", [attention.CPU_SCORES, 1])  # whole groups; one prompt per SDPA
 @pytest.mark.parametrize("preset", ["tiny", "k3-tiny"])
-def test_whole_prompts_in_batches_equal_the_per_prompt_path(preset, monkeypatch):
+def test_whole_prompts_in_batches_equal_the_per_prompt_path(preset, scores, monkeypatch):
+    monkeypatch.setattr(attention, "CPU_SCORES", scores)
     cfg, _ = resolve_model(preset)
     torch.manual_seed(0)
     attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32)

@@ -47,6 +47,9 @@ def _(kv_cache, slots, latent) -> None:
     return None
 
 
+CPU_SCORES = 1 << 20  # attention scores per SDPA batch of whole prompts on a CPU
+
+
 def write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:
     """Each token's [c_kv | k_pe] into its cache slot. Under torch.compile (decoder layers
     compiled inside the CUDA graphs) the write is an opaque op that mutates the cache: traced as
@@ -302,15 +305,20 @@ class MLAAttention(nn.Module):
         k, v = self._keys_values(lat)
         for length, firsts, idx, rel in groups:
             n = len(firsts)
-            if idx is None:  # back to back: views, no gather
-                s, r, e = firsts[0], firsts[0] - lo, n * length
-                out[s:s + e] = self._attend(q[s:s + e].view(n, length, *q.shape[1:]),
-                                            k[r:r + e].view(n, length, *k.shape[1:]),
-                                            v[r:r + e].reshape(n, length, *v.shape[1:]), 0).reshape(e, *out.shape[1:])
-                continue
-            o = self._attend(q[idx].view(n, length, *q.shape[1:]), k[rel].view(n, length, *k.shape[1:]),
-                             v[rel].view(n, length, *v.shape[1:]), 0)
-            out[idx] = o.reshape(n * length, *o.shape[2:])
+            # On a CPU SDPA's math path holds a batch's scores: batches sized to keep them in
+            # cache (64 prompts of 128 in one batch ran 0.6x the per-prompt path's speed).
+            per = n if q.is_cuda else max(1, CPU_SCORES // (length * length * self.num_heads))
+            for j in range(0, n, per):
+                m = min(per, n - j)
+                if idx is None:  # back to back: views, no gather
+                    s, e = firsts[j], m * length
+                    dst, qs, ks, vs = slice(s, s + e), q[s:s + e], k[s - lo:s - lo + e], v[s - lo:s - lo + e]
+                else:
+                    dst, r = idx[j * length:(j + m) * length], rel[j * length:(j + m) * length]
+                    qs, ks, vs = q[dst], k[r], v[r]
+                o = self._attend(qs.view(m, length, *q.shape[1:]), ks.view(m, length, *k.shape[1:]),
+                                 vs.reshape(m, length, *v.shape[1:]), 0)
+                out[dst] = o.reshape(m * length, *o.shape[2:])
 
     def _keys_values(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [S, kv_cache_dim] -> per-head keys [S, heads, qk] and values [S, heads, v]."""
