@@ -15,7 +15,10 @@ OUT=${OUT:-/tmp/gpu_serve_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ "$what" != prefill ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # .whl/ beside the tree, or two levels up (a clean export in .gpu/tree, as gpu_check.sh runs it)
+  wheels=$(ls .whl/*.whl ../../.whl/*.whl 2>/dev/null || true)
+  [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site $wheels
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import fastapi, uvicorn, pydantic, starlette; import service.server.app" \
     || { echo "the wheel set in .whl/ is incomplete"; exit 3; }
