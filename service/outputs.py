@@ -29,3 +29,27 @@ class RequestOutput:
     finished: bool = False
     weight_version: int = 0
     error: str | None = None
+    # A stream's progress since its last output (token ids, text and logprobs appended since
+    # then; the prompt's ids only in the first), as the engine loop reports it to the HTTP
+    # controller, which `extend`s one whole output per request. Whole outputs every step cost
+    # O(prompt + output) per stream per step: 225 ms a step for 256 streams of a 4096-token
+    # prompt at 1024 tokens out (building, pickling, unpickling), against an 8 ms decode step.
+    delta: bool = False
+
+    def extend(self, delta: RequestOutput) -> None:
+        """Append a delta output of the same request to this whole one."""
+        mine = {c.index: c for c in self.outputs}
+        for d in delta.outputs:
+            c = mine.get(d.index)
+            if c is None:
+                self.outputs.append(CompletionOutput(d.index, d.text, list(d.token_ids),
+                                                     None if d.logprobs is None else list(d.logprobs),
+                                                     d.finish_reason, d.stop_reason))
+                continue
+            c.token_ids.extend(d.token_ids)
+            if d.text is not None:
+                c.text = (c.text or "") + d.text
+            if d.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + d.logprobs
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        self.finished, self.weight_version, self.error = delta.finished, delta.weight_version, delta.error

@@ -440,3 +440,36 @@ def test_abort_of_a_request_not_yet_admitted():
     (out,) = engine.step() or engine.drain_outputs()
     assert out.request_id == "queued" and out.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished() and engine.stats()["free_blocks"] == 64
+
+
+def test_progress_deltas_rebuild_the_whole_outputs():
+    """With progress_deltas (the engine loop feeding the HTTP controller) each stream's progress
+    output carries only what is new; extending the first one with the rest gives, at every step,
+    the whole output the engine reports without deltas: tokens, text held back for a stop string,
+    logprobs, n > 1, and the prompt's ids."""
+    reqs = [("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=1)),
+            ("b", PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=7, ignore_eos=True)),
+            ("c", PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zz top"]))]
+    runs = []
+    for deltas in (False, True):
+        engine, _ = make_engine()
+        engine.progress_deltas = deltas
+        for rid, prompt, params in reqs:
+            engine.add_request(rid, prompt, None, params)
+        steps = []
+        while engine.has_unfinished():
+            steps.append(engine.step())
+        runs.append(steps)
+    whole: dict = {}
+    sent_delta = False
+    for plain, delta in zip(*runs, strict=True):
+        for p, d in zip(plain, delta, strict=True):
+            assert d.request_id == p.request_id and d.delta == (not p.finished)
+            sent_delta |= d.delta and all(len(c.token_ids) <= 1 for c in d.outputs)
+            if d.request_id in whole and d.delta:
+                whole[d.request_id].extend(d)
+            else:
+                whole[d.request_id] = d
+            assert whole[d.request_id].outputs == p.outputs
+            assert whole[d.request_id].prompt_token_ids == p.prompt_token_ids
+    assert sent_delta, "no progress output was a delta"

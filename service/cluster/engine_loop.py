@@ -35,6 +35,7 @@ class EngineLoop:
         self._waiters: dict[str, threading.Event] = defaultdict(threading.Event)
         # generate() waiters read final outputs only (see _publish).
         engine.wants_progress = lambda request_id: request_id not in self._waiters
+        engine.progress_deltas = True  # poll() feeds the HTTP controller, which rebuilds whole outputs
         self.last_error: str | None = None
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)

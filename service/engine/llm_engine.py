@@ -87,6 +87,9 @@ class LLMEngine:
         # The engine loop's blocking generate() waits for final outputs only, so per-step
         # RequestOutputs of its requests (token lists copied every step) are not built.
         self.wants_progress: Callable[[str], bool] | None = None
+        # Progress outputs (not final ones) as deltas since the last (RequestOutput.delta): the
+        # engine loop turns this on for the HTTP controller, which rebuilds whole outputs.
+        self.progress_deltas = False
         if tokenizer is None:
             log.warning(NO_TOKENIZER_NOTE)
 
@@ -335,6 +338,8 @@ class LLMEngine:
         return True
 
     def _output(self, req: _Request) -> RequestOutput:
+        delta = self.progress_deltas and not req.finished
+        first = all(seq.reported == (0, 0) for seq in req.seqs)
         completions = []
         for seq in req.seqs:
             text = None
@@ -345,13 +350,17 @@ class LLMEngine:
                     # The tail might be the start of a stop string that a later token completes:
                     # holding it back keeps streamed text from ever shrinking.
                     text = text[:max(0, len(text) - hold)]
+            tokens, chars = seq.reported if delta else (0, 0)
+            if delta:
+                seq.reported = (len(seq.output_token_ids), len(text or ""))
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                index=seq.index, text=None if text is None else text[chars:], token_ids=seq.output_token_ids[tokens:],
+                logprobs=seq.logprobs[tokens:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+        prompt_ids = list(req.prompt_token_ids) if first or not delta else []
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=prompt_ids,
                              outputs=completions, finished=req.finished, weight_version=self.weight_version,
-                             error=req.error)
+                             error=req.error, delta=delta)
 
     def _validate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                   params: SamplingParams) -> list[int]:

@@ -67,6 +67,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # (output tokens, text chars) already reported in delta outputs (LLMEngine.progress_deltas)
+    reported: tuple[int, int] = (0, 0)
 
     @property
     def token_ids(self) -> list[int]:

@@ -55,6 +55,20 @@ class Route:
     finished: set[str] = field(default_factory=set)  # engine requests that reported their end
     admitted: bool = False
     released: bool = False
+    whole: dict[str, RequestOutput] = field(default_factory=dict)  # per engine request, deltas applied
+
+    def accumulate(self, out: RequestOutput) -> RequestOutput:
+        """The whole output so far: the engine loop reports a stream's progress as deltas."""
+        if not out.delta:
+            self.whole[out.request_id] = out
+            return out
+        whole = self.whole.get(out.request_id)
+        if whole is None:
+            out.delta = False
+            self.whole[out.request_id] = out
+            return out
+        whole.extend(out)
+        return whole
 
 
 class Controller:
@@ -280,7 +294,7 @@ class Controller:
             for out in outs:
                 route = self._routes.get(out.request_id)
                 if route is not None:
-                    route.queue.put_nowait(out)
+                    route.queue.put_nowait(route.accumulate(out))
 
     def _fail_all(self, status: int, message: str) -> None:
         routes = {id(r): r for r in list(self._routes.values())}
