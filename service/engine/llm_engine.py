@@ -275,8 +275,9 @@ class LLMEngine:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(rows):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise RuntimeError(f"executor returned logits {shape}, expected [{len(rows)}, vocab]")
-        nan_rows = set(torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist())
+        nan = torch.isnan(logits).any(dim=-1)  # read after sampling: one wait for the device, not two
         out = self.sampler(logits, [s.params for s in rows], [s.generator for s in rows])
+        nan_rows = {i for i, bad in enumerate(nan.tolist()) if bad}
         self.step_seconds["sample"] += time.perf_counter() - t1
         return out, nan_rows
 

@@ -30,11 +30,11 @@ class Sampler:
         if not params:
             return SamplerOutput([], [])
         logits = logits.float()
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         chosen = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        greedy = [p.greedy for p in params]  # decided on the host: no copy to the device, no sync
+        if not all(greedy):
             sampled = self._sample(logits, params, generators)
-            chosen = torch.where(greedy, chosen, sampled)
+            chosen = torch.where(torch.tensor(greedy, device=logits.device), chosen, sampled)
         token_ids = chosen.tolist()
         return SamplerOutput(token_ids, self._logprobs(logits, params, chosen))
 
