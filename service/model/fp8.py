@@ -247,7 +247,7 @@ def _linear_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out
     xq = torch.empty(m, k, dtype=weight.dtype, device=x.device)
     xs = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     _act_quant_kernel[(m, groups)](x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), GROUP=bk, num_warps=4,
-    **pdl.launch(x.device))
+                                   **pdl.launch(x.device))
     block_m = 64 if m <= 256 else 128
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 128))
     _w8a8_kernel[grid](xq, xs, weight, scale, out, m, n, k, xq.stride(0), xs.stride(0), weight.stride(0),
