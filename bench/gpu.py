@@ -526,7 +526,7 @@ def profile_prefill(worker, plan, device: str, top: int = 15) -> dict:
 
 # Prefill's kernel choices above the decode sizes, each timed against the default in the same run.
 PREFILL_VARIANTS = {
-    "triton_grouped_moe": {"LATENTSERVE_MOE_GROUPED_MAX_TOKENS": "1000000000"},  # default: torch._grouped_mm
+    "torch_grouped_moe": {"LATENTSERVE_MOE_GROUPED_MAX_TOKENS": "1024"},  # default: the Triton kernels at every size
     "triton_router": {"LATENTSERVE_ROUTE_MAX_TOKENS": "1000000000"},  # default: cuBLAS logits + torch top-k
 }
 

@@ -110,9 +110,10 @@ class FusedExperts(nn.Module):
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
                 return out
-        # More tokens: the Triton grouped GEMM, up to prefill sizes where torch._grouped_mm has CUTLASS.
+        # More tokens: the Triton grouped GEMM (prefill too, unless a cap hands it to torch._grouped_mm).
+        limit = moe_grouped.max_tokens()
         if moe_grouped.supported(x, self.w13, self.w2, self.act_name) and (
-                x.shape[0] <= moe_grouped.max_tokens() or not grouped_mm_fast(x)):
+                limit is None or x.shape[0] <= limit or not grouped_mm_fast(x)):
             out = moe_kernels.call(torch.ops.latentserve.moe_grouped_experts, x, self.w13, self.w2, weights, ids,
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:

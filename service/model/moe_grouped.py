@@ -55,11 +55,15 @@ def enabled() -> bool:
     return os.environ.get("LATENTSERVE_MOE_GROUPED", "triton") != "torch" and moe_kernels.enabled()
 
 
-def max_tokens() -> int:
-    """Above this many tokens (prefill, compute-bound) FusedExperts keeps torch._grouped_mm where
-    its CUTLASS kernels run (bf16 on sm_90/sm_100); not measured yet: bench/moe_grouped.py --m
-    2048,8192 compares the two. LATENTSERVE_MOE_GROUPED_MAX_TOKENS."""
-    return int(os.environ.get("LATENTSERVE_MOE_GROUPED_MAX_TOKENS", "1024"))
+def max_tokens() -> int | None:
+    """Above this many tokens FusedExperts hands prefill to torch._grouped_mm's CUTLASS kernels
+    (bf16 on sm_90/sm_100); None: never. Measured on the H200, 8 x 1024-token prefill of `small`
+    (bench/gpu.py's prefill variants): the Triton kernels at every size took 0.94x (run 10) and
+    0.86x (run 12, 67.7 against 78.4 ms) of the step with torch._grouped_mm above 1024 tokens,
+    which also pays a gather, a scatter and a weights multiply around it.
+    LATENTSERVE_MOE_GROUPED_MAX_TOKENS=1024 is that baseline."""
+    value = os.environ.get("LATENTSERVE_MOE_GROUPED_MAX_TOKENS")
+    return None if value is None else int(value)
 
 
 def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: str) -> bool:
