@@ -1,7 +1,7 @@
 """Where a decode step's time goes, per part, on every rank (wall time, not CPU samples).
 
     .venv/bin/python bench/step_profile.py [--tp 1] [--batch 16] [--tokens 32] [--threads N]
-        [--checkpoint DIR] [--rounds 3] [--out result.json]
+        [--checkpoint DIR | --preset small --layers 24 --device cuda] [--rounds 3] [--out result.json]
 
 Wraps the engine's and the model's functions (scheduler, plan broadcast, metadata, attention,
 MoE, collectives, lm_head, sampler, detokenizer, ...) with timers, on rank 0 in this process
@@ -11,6 +11,10 @@ inclusive and exclusive (minus timed children) time per step is printed, per ran
 best of --rounds timed generate calls of --batch prompts x --tokens new tokens (same prompts as
 bench/throughput.py, the anchor checkpoint by default). Time outside every timed part is
 reported as "other" (Python glue, thread hand-offs).
+
+With --preset (dummy weights on the device, bf16 on CUDA) the same runs on a GPU, where a decode
+step is one CUDA graph replay: the parts then say how much of a step is host time that the
+device waits through. The sampler's exclusive time includes the wait for the step's logits.
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ TARGETS = [
     ("service.engine.plan", "encode_message"),
     ("service.engine.plan", "decode_message"),
     ("service.cluster.worker", "RankWorker.execute"),
+    ("service.model.cuda_graph", "DecodeGraphs.run"),
+    ("service.model.cuda_graph", "pack_decode"),
+    ("torch.cuda", "CUDAGraph.replay"),
+    ("service.engine.llm_engine", "LLMEngine._admit"),
+    ("service.cluster.engine_loop", "EngineLoop._publish"),
+    ("service.tokenizer", "IncrementalDetokenizer.add"),
     ("service.cluster.worker", "RankWorker.check_runnable"),
     ("service.parallel", "TPGroup.broadcast_ints"),
     ("service.parallel", "TPGroup.all_reduce"),
@@ -141,6 +151,9 @@ if os.environ.get("LATENTSERVE_STEP_PROFILE"):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint")
+    ap.add_argument("--preset", help="a model preset with dummy weights instead of the anchor checkpoint")
+    ap.add_argument("--layers", type=int, help="--preset's num_hidden_layers")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
@@ -166,17 +179,30 @@ def main() -> int:
     from service import LLM, SamplingParams
 
     tmp = None
-    ckpt = args.checkpoint
-    if ckpt is None:
-        from tests.anchors.checkpoint import write_hf_checkpoint
+    if args.preset:
+        from service.config import PRESETS
 
-        tmp = tempfile.TemporaryDirectory(prefix="bench-ckpt-")
-        ckpt = write_hf_checkpoint(tmp.name, seed=0, zero_rope=False)
-    with open(os.path.join(ckpt, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+        overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+        vocab = PRESETS[args.preset].vocab_size
+        cuda = args.device.startswith("cuda")
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < args.batch] + [args.batch]
+        llm = LLM(model=args.preset, hf_overrides=overrides, tensor_parallel_size=args.tp, seed=0,
+                  distributed_executor_backend="mp", device=args.device, dtype="bfloat16" if cuda else "float32",
+                  max_num_seqs=max(64, args.batch), max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
+                  max_model_len=max(256, args.prompt_len + args.tokens),
+                  **({"dummy_weights": "device", "cuda_graph_batch_sizes": sizes,
+                      "kv_cache_memory_bytes": 4 << 30} if cuda else {}))
+    else:
+        ckpt = args.checkpoint
+        if ckpt is None:
+            from tests.anchors.checkpoint import write_hf_checkpoint
 
-    llm = LLM(model=ckpt, tensor_parallel_size=args.tp, seed=0, distributed_executor_backend="mp",
-              max_num_seqs=max(64, args.batch))
+            tmp = tempfile.TemporaryDirectory(prefix="bench-ckpt-")
+            ckpt = write_hf_checkpoint(tmp.name, seed=0, zero_rope=False)
+        with open(os.path.join(ckpt, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        llm = LLM(model=ckpt, tensor_parallel_size=args.tp, seed=0, distributed_executor_backend="mp",
+                  max_num_seqs=max(64, args.batch))
     prompts = [{"prompt_token_ids": p} for p in bench_prompts(args.batch, args.prompt_len, vocab)]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     best = None
@@ -194,7 +220,8 @@ def main() -> int:
         llm.shutdown()
     wall, stats = best
     steps = args.tokens  # one prefill step + tokens - 1 decode steps
-    print(f"TP {args.tp}, batch {args.batch}, {args.tokens} tokens: best generate {wall * 1e3:.1f} ms "
+    model = args.preset or "anchor checkpoint"
+    print(f"{model} on {args.device}, TP {args.tp}, batch {args.batch}, {args.tokens} tokens: best generate {wall * 1e3:.1f} ms "
           f"= {wall / steps * 1e3:.2f} ms/step over {steps} steps (timers on; load average "
           f"{open('/proc/loadavg').read().split()[:3]})")
     for r in stats:
