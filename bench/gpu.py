@@ -554,7 +554,7 @@ def bench_prefill(args) -> None:
         prof = profile_prefill(worker, plan, args.device)
         # In-run baselines: the same step under each switch (read per call; prefill is eager).
         variants = {}
-        for name, env in PREFILL_VARIANTS.items():
+        for name, env in {**PREFILL_VARIANTS, **dict(args.prefill_variant)}.items():
             with switches(env):
                 timed(partial(worker.execute, plan), args.device, 1)
                 variants[name] = statistics.median(
@@ -828,6 +828,9 @@ def main() -> None:
     ap.add_argument("--sleep-cycles", type=int, default=3)
     ap.add_argument("--prefill-seqs", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--prefill-variant", action="append", default=[],
+                    type=lambda s: (s.split("=", 1)[0], json.loads(s.split("=", 1)[1])),
+                    help='one more prefill variant, NAME={"LATENTSERVE_...": "..."} (repeatable)')
     ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,hf,sleep,fp8,k3,k3graphs,prefill,tail")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

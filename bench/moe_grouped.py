@@ -62,13 +62,23 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (graph_us(lambda: dst.copy_(src), 20) * 1e-6)
 
 
-def candidates() -> list[dict]:
-    """~30 configs: 8 warps for the big tiles; those whose gate/up stages (x tile + gate and up
-    tiles, bf16) would not fit the H200's shared memory left out."""
+def candidates(pairs_per_expert: float) -> list[dict]:
+    """Decode (few pairs per expert): ~30 configs of 16-64 rows, 8 warps for the big tiles.
+    Prefill (more than 64 pairs per expert, compute-bound): 64-128 rows by 64-128 columns, K steps
+    of 64 in 3-4 stages (and 32 for the biggest tile), 8 warps from 128 x 64 on and 4 too at that
+    size (~11 configs: each costs two compiles). Configs whose gate/up stages (x tile + gate and up
+    tiles, bf16) would not fit the H200's shared memory are left out."""
     out = []
-    for bm, bn, bk, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (3, 4)):
+    if pairs_per_expert > 64:
+        space = [(bm, bn, 64, st, 8 if bm * bn >= 128 * 64 else 4)
+                 for bm, bn, st in itertools.product((64, 128), (64, 128), (3, 4))]
+        space += [(128, 64, 64, 4, 4), (128, 128, 32, 4, 8)]
+    else:
+        space = ((bm, bn, bk, st, 8 if bm * bn >= 64 * 128 else 4)
+                 for bm, bn, bk, st in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (3, 4)))
+    for bm, bn, bk, stages, warps in space:
         if (bm * bk + 2 * bk * bn) * 2 * stages <= 200 * 1024:
-            out.append(dict(zip(KEYS, (bm, bn, bk, 8 if bm * bn >= 64 * 128 else 4, stages))))
+            out.append(dict(zip(KEYS, (bm, bn, bk, warps, stages))))
     return out
 
 
@@ -115,7 +125,7 @@ def bench_m(ex: FusedExperts, m: int, args, bw: float) -> None:
     if not args.sweep:
         return
     results = []
-    for c in candidates():
+    for c in candidates(m * k / e):
         try:
             us = graph_us(partial(moe_grouped.grouped_experts, x, ex.w13, ex.w2, weights, ids, "silu", 1.0, None,
                                   cfg=c), max(10, args.iters // 4))
@@ -124,8 +134,12 @@ def bench_m(ex: FusedExperts, m: int, args, bw: float) -> None:
             continue
         results.append((us, tuple(c.values())))
     results.sort()
+    flops = 2 * m * k * 3 * ex.w2.shape[1] * ex.w2.shape[2]  # gate, up and down per (token, slot) pair
     for us, c in results[:8]:
-        print(f"  sweep M={m}: {c} {us:7.1f} us ({nbytes / us * 1e6 / bw:.2f} of copy, {theirs / us:.2f}x torch)")
+        print(f"  sweep M={m}: {c} {us:7.1f} us ({nbytes / us * 1e6 / bw:.2f} of copy, "
+              f"{flops / us / 1e6:.0f} TFLOP/s, {theirs / us:.2f}x torch, {ours / us:.2f}x the table's)")
+    if results:  # the LATENTSERVE_MOE_GROUPED_CONFIG spelling of the best, for scripts
+        print(f"best M={m}: {','.join(map(str, results[0][1]))} {results[0][0]:.1f} us")
 
 
 if __name__ == "__main__":
