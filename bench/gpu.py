@@ -498,12 +498,16 @@ def matmul_rate(device: str, n: int, repeat: int = 7) -> float:
 
 
 def kernel_kind(name: str) -> str:
-    """What a prefill kernel does, from its name: matmuls, attention, the MoE's own kernels, the rest."""
+    """What a prefill kernel does, from its name: matmuls, attention, the MoE's expert kernels
+    (Triton's by their names), routing (top-k), the rest."""
     s = name.lower()
     if any(k in s for k in ("flash", "fmha", "attention", "attn")):
         return "attention"
-    if any(k in s for k in ("moe", "grouped", "expert")):
+    if any(k in s for k in ("moe", "grouped", "expert", "_gate_up_kernel", "_down_kernel", "_align_kernel",
+                            "_slot_sum_kernel", "_entry_kernel")):
         return "moe"
+    if any(k in s for k in ("topk", "route", "router", "sort")):
+        return "routing"
     if any(k in s for k in ("gemm", "gemv", "matmul", "xmma", "cutlass", "sm90_", "cublas")):
         return "gemm"
     return "other"
@@ -550,7 +554,8 @@ def bench_prefill(args) -> None:
     total = sum(flops.values())
     with torch.inference_mode():
         timed(partial(worker.execute, plan), args.device, 2)  # warm-up
-        ms = statistics.median(timed(partial(worker.execute, plan), args.device, 3) for _ in range(5)) * 1e3
+        runs = [timed(partial(worker.execute, plan), args.device, 3) * 1e3 for _ in range(5)]
+        ms, best = statistics.median(runs), min(runs)
         prof = profile_prefill(worker, plan, args.device)
         # In-run baselines: the same step under each switch (read per call; prefill is eager).
         variants = {}
@@ -564,9 +569,13 @@ def bench_prefill(args) -> None:
     n = 8192 if cuda else 512
     rate = matmul_rate(args.device, n)
     achieved = total / (ms / 1e3)
-    res = {"seqs": seqs, "len": length, "layers": cfg.num_hidden_layers, "step_ms": ms, "flops": total,
-           "flops_by_part": flops, "achieved_tflops": achieved / 1e12, "matmul_n": n, "matmul_tflops": rate / 1e12,
-           "ratio": achieved / rate, "profile_kernels": prof["kernels"], "profile_device_ms": prof["device_ms"],
+    # The step is eager: ~1300 launches from Python, so host jitter moves its wall time by up to
+    # 1.5x between runs of the same code (runs 14-16). The best of the runs and the profile's
+    # device time bound it from the host side and the device side.
+    res = {"seqs": seqs, "len": length, "layers": cfg.num_hidden_layers, "step_ms": ms, "best_ms": best,
+           "flops": total, "flops_by_part": flops, "achieved_tflops": achieved / 1e12, "matmul_n": n,
+           "matmul_tflops": rate / 1e12, "ratio": achieved / rate, "best_ratio": total / (best / 1e3) / rate,
+           "device_ratio": total / (prof["device_ms"] / 1e3) / rate if prof["device_ms"] else None, "profile_kernels": prof["kernels"], "profile_device_ms": prof["device_ms"],
            "profile_ms_by_kind": prof["ms_by_kind"], "variants_ms": variants}
     RESULTS["prefill"] = res
     print(f"prefill step {seqs} x {length}: {prof['kernels']} GPU kernels/copies, {prof['device_ms']:.2f} ms of "
@@ -581,7 +590,9 @@ def print_prefill() -> None:
         return
     print(f"prefill {p['seqs']} x {p['len']} tokens ({p['layers']} layers, eager): {p['step_ms']:.1f} ms, "
           f"{p['flops'] / 1e12:.2f} TFLOP -> {p['achieved_tflops']:.0f} TFLOP/s; bf16 matmul {p['matmul_n']}^3: "
-          f"{p['matmul_tflops']:.0f} TFLOP/s; achieved / matmul = {p['ratio']:.3f} (target >= 0.40)")
+          f"{p['matmul_tflops']:.0f} TFLOP/s; achieved / matmul = {p['ratio']:.3f} (target >= 0.40); best of "
+          f"the runs {p['best_ms']:.1f} ms ({p['best_ratio']:.3f}); device time alone {p['profile_device_ms']:.1f} ms "
+          f"({p['device_ratio'] or 0:.3f})")
     print("  TFLOP by part: " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in p["flops_by_part"].items()))
     print(f"  device time by kernel kind (ms, of {p['profile_device_ms']:.1f}): "
           + ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["profile_ms_by_kind"].items(), key=lambda kv: -kv[1])))
