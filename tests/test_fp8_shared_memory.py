@@ -26,7 +26,7 @@ POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16"
 BLOCKS = dict(BN=128, BK=128)
 
 
-def shared_bytes(kernel, consts: dict, num_warps: int, num_stages: int) -> int:
+def shared_bytes(kernel, consts: dict, num_warps: int, num_stages: int, pointers: dict | None = None) -> int:
     if "nvidia" not in backends:  # no GPU driver here, so the backend was not discovered
         from triton.backends.nvidia.driver import CudaDriver
         backends["nvidia"] = Backend(compiler=nvidia.CUDABackend, driver=CudaDriver)
@@ -35,7 +35,8 @@ def shared_bytes(kernel, consts: dict, num_warps: int, num_stages: int) -> int:
         consts = {"PDL": True, **consts}
     sig, attrs = {}, {}
     for i, a in enumerate(names):
-        sig[a] = ("constexpr" if a in consts else "*" + POINTERS.get(a, "fp32") if a.endswith("_ptr")
+        types = {**POINTERS, **(pointers or {})}
+        sig[a] = ("constexpr" if a in consts else "*" + types.get(a, "fp32") if a.endswith("_ptr")
                   else "fp32" if a in ("beta", "linear_beta") else "i32")
         if sig[a] not in ("constexpr", "fp32"):
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -76,6 +77,16 @@ for _row in moe_grouped.CONFIGS:
                                               BLOCK_K=bk), nw, ns)),
                  (f"grouped down {_row[1:]}", lambda bm=_bm, bn=_bn, bk=_bk, nw=_nw, ns=_ns: (
                      fp8_grouped._down_fp8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), nw, ns))]
+
+# The bf16 grouped kernels share the table (its prefill row is the largest tile: 128 x 128 x 64).
+BF16 = {"w13_ptr": "bf16", "w2_ptr": "bf16"}
+for _row in moe_grouped.CONFIGS:
+    _bm, _bn, _bk, _nw, _ns = _row[1:]
+    _even = dict(IEEE=False, EVEN_K=True, EVEN_N=True, BLOCK_M=_bm, BLOCK_N=_bn, BLOCK_K=_bk)
+    LAUNCHES += [(f"bf16 grouped gate/up {_row[1:]}", lambda e=_even, nw=_nw, ns=_ns: (
+        moe_grouped._gate_up_kernel, dict(e, TOP_K=8, ACT=1, CLIP_UP=True), nw, ns, BF16)),
+                 (f"bf16 grouped down {_row[1:]}", lambda e=_even, nw=_nw, ns=_ns: (
+                     moe_grouped._down_kernel, dict(e), nw, ns, BF16))]
 
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])
