@@ -38,7 +38,7 @@ import torch
 
 from ..engine.plan import SeqChunk
 from ..log import get_logger
-from . import fusion, mla_decode, moe_kernels
+from . import fusion, mla_decode, moe_kernels, pdl
 from .attention import AttnMetadata
 from .kda import KDAState
 from .kda_ops import fla_available
@@ -203,7 +203,8 @@ class DecodeGraphs:
         self._checks = collective_checks(model)
         if compile_layers is None:
             compile_layers = fusion.layers_enabled()
-        self.compiled = fusion.CompiledForward("decoder_layer", dynamic=True) if compile_layers else None
+        self.compiled = (fusion.CompiledForward("decoder_layer", dynamic=True, **pdl.inductor_options(device))
+                         if compile_layers else None)
         self._capture()
 
     def _meta(self, b: int) -> AttnMetadata:

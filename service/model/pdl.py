@@ -10,6 +10,12 @@ no write over a buffer the previous kernel still reads), then lets its own depen
 
 Off in the Triton interpreter (no inline PTX), below sm_90, and with LATENTSERVE_PDL=0 (the
 bench's baseline).
+
+Our kernels alone linked few boundaries: most of a layer's kernels are Inductor's (norms, rope,
+residual adds of the compiled decoder layer) and a PDL kernel after a plain one cannot start
+early. `inductor_options` asks Inductor for the same (torch's `triton.enable_pdl`: its kernels
+wait before their first load of what the previous kernel wrote, so weight loads go first).
+LATENTSERVE_INDUCTOR_PDL=0 keeps Inductor's kernels plain (a bench baseline).
 """
 
 from __future__ import annotations
@@ -36,6 +42,18 @@ def enabled(device: torch.device) -> bool:
 @functools.cache
 def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
+
+
+def inductor_options(device: torch.device) -> dict:
+    """torch.compile keywords that give Inductor's kernels PDL where ours have it ({} otherwise,
+    and on a torch without the option)."""
+    if not enabled(device) or os.environ.get("LATENTSERVE_INDUCTOR_PDL", "1") == "0":
+        return {}
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        return {}
+    return {"options": {"triton.enable_pdl": True}}
 
 
 def launch(device: torch.device) -> dict:
