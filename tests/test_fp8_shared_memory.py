@@ -17,7 +17,7 @@ from triton.backends import Backend, backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from service.model import fp8, fp8_grouped, fp8_moe, moe_grouped  # noqa: E402
+from service.model import fp8, fp8_grouped, fp8_moe, mla_absorb, moe_grouped  # noqa: E402
 
 H200_SHARED = 232448  # bytes per block, opt-in maximum of sm_90
 POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16", "w_ptr": "fp8e4nv",
@@ -87,6 +87,14 @@ for _row in moe_grouped.CONFIGS:
         moe_grouped._gate_up_kernel, dict(e, TOP_K=8, ACT=1, CLIP_UP=True), nw, ns, BF16)),
                  (f"bf16 grouped down {_row[1:]}", lambda e=_even, nw=_nw, ns=_ns: (
                      moe_grouped._down_kernel, dict(e), nw, ns, BF16))]
+
+# MLA decode's absorbed projections (bf16 tensor-core tiles, the batch-1 and batch-64 row blocks).
+ABSORB = {"w_ptr": "bf16", "out_ptr": "bf16", "o_ptr": "fp32"}
+for _bb in (16, 64):
+    LAUNCHES += [(f"mla absorb q {_bb} rows", lambda bb=_bb: (
+        mla_absorb._absorb_q_kernel, dict(IEEE=False, BLOCK_B=bb, BLOCK_K=64, BLOCK_D=64), 4, 2, ABSORB)),
+                 (f"mla absorb out {_bb} rows", lambda bb=_bb: (
+                     mla_absorb._absorb_out_kernel, dict(IEEE=False, BLOCK_B=bb, BLOCK_K=64, BLOCK_V=32), 4, 2, ABSORB))]
 
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])

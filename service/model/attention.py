@@ -22,7 +22,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..engine.plan import SeqChunk
 from ..parallel import TPGroup
-from . import cpu_kernels, mla_decode
+from . import cpu_kernels, mla_absorb, mla_decode
 from .layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -353,6 +353,14 @@ class MLAAttention(nn.Module):
         b = q.shape[0]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
+        if (meta.decode_context_lens is not None and mla_absorb.supported(q, w)
+                and mla_decode.supported(q, kv_cache, self.kv_lora_rank)):
+            # Three kernels where the bmm's took seven (mla_absorb.py): q_latent and q_pe go to
+            # the attention kernel as two inputs, its fp32 output to o_proj's rows.
+            q_latent = torch.ops.latentserve.mla_absorb_q(q[..., : self.nope], w_uk)
+            o_latent = mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                             self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:])
+            return torch.ops.latentserve.mla_absorb_out(o_latent, w_uv).view(b, self.num_heads, self.v_dim)
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]
         # [c_kv | k_pe] rows match [q_latent | q_pe]: one matmul scores both parts.
         q_cat = torch.cat([q_latent, q[..., self.nope:]], dim=-1)

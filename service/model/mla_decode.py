@@ -77,8 +77,8 @@ def launch_config(batch: int, num_heads: int) -> dict:
 if triton is not None:
 
     @triton.jit
-    def _mla_decode_split(q_ptr, kv_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
-                          stride_qb, stride_qh, stride_slot, stride_bt,
+    def _mla_decode_split(q_ptr, qpe_ptr, kv_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+                          stride_qb, stride_qh, stride_pb, stride_ph, stride_slot, stride_bt,
                           stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                           num_heads, scale,
                           BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
@@ -98,9 +98,10 @@ if triton is not None:
         hmask = heads < num_heads
         d_lat = tl.arange(0, D_LAT)
         d_pe = tl.arange(0, D_PE)
-        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-        q_lat = tl.load(q_row + d_lat[None, :], mask=hmask[:, None], other=0.0)
-        q_pe = tl.load(q_row + D_LAT + d_pe[None, :], mask=hmask[:, None], other=0.0)
+        q_lat = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d_lat[None, :], mask=hmask[:, None],
+                        other=0.0)
+        q_pe = tl.load(qpe_ptr + b * stride_pb + heads[:, None] * stride_ph + d_pe[None, :], mask=hmask[:, None],
+                       other=0.0)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -162,43 +163,51 @@ if triton is not None:
 
 def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
-               splits: int | None = None) -> torch.Tensor:
-    """q_cat [B, H, kv_lora_rank + rope] (absorbed query | roped query); kv_cache
+               splits: int | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
+    """q_cat [B, H, kv_lora_rank + rope] (absorbed query | roped query), or with q_pe [B, H, rope]
+    the absorbed query alone [B, H, kv_lora_rank] (two inputs: no cat); kv_cache
     [num_blocks, block_size, kv_lora_rank + rope]; block_tables [B, W] (any int dtype);
     context_lens [B] >= 1. Returns the attention output in latent space, [B, H, kv_lora_rank] fp32."""
     if splits is None and torch.compiler.is_compiling():
-        return torch.ops.latentserve.mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale)
-    return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, splits)
+        return torch.ops.latentserve.mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale,
+                                                q_pe)
+    return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, splits, q_pe=q_pe)
 
 
 def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
-                splits: int | None = None, cfg: dict | None = None) -> torch.Tensor:
+                splits: int | None = None, cfg: dict | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """cfg overrides the split kernel's launch shape (BLOCK_N, num_warps, num_stages): the
     sweep in bench/mla_decode.py."""
-    b, h, d = q_cat.shape
-    if q_cat.stride(-1) != 1:
-        q_cat = q_cat.contiguous()
+    if q_pe is None:
+        q_pe = q_cat[..., kv_lora_rank:]
+    q_lat = q_cat[..., :kv_lora_rank]
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    b, h = q_lat.shape[:2]
+    d = kv_lora_rank + q_pe.shape[-1]
     nb, block_size, width = kv_cache.shape
-    if width != d or kv_cache.stride(-1) != 1 or kv_cache.stride(0) != block_size * kv_cache.stride(1):
-        raise ValueError(f"kv cache {tuple(kv_cache.shape)} strides {kv_cache.stride()} do not fit q {tuple(q_cat.shape)}")
+    if (width != d or q_lat.shape[-1] != kv_lora_rank or kv_cache.stride(-1) != 1
+            or kv_cache.stride(0) != block_size * kv_cache.stride(1)):
+        raise ValueError(f"kv cache {tuple(kv_cache.shape)} strides {kv_cache.stride()} do not fit q "
+                         f"{tuple(q_lat.shape)} + rope {tuple(q_pe.shape)}")
     splits = splits or num_splits(b, h)
-    o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_cat.device)
-    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_cat.device)
-    ieee = q_cat.dtype == torch.float32
+    o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
+    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_lat.device)
+    ieee = q_lat.dtype == torch.float32
     launch = {**launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}), **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
     _mla_decode_split[grid](
-        q_cat, kv_cache, block_tables, context_lens, o, lse,
-        q_cat.stride(0), q_cat.stride(1), kv_cache.stride(1), block_tables.stride(0),
+        q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1), block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        NUM_SPLITS=splits, IEEE=ieee, **launch, **pdl.launch(q_cat.device),
+        NUM_SPLITS=splits, IEEE=ieee, **launch, **pdl.launch(q_lat.device),
     )
     if splits == 1:
         return o[:, 0]
-    out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32, device=q_cat.device)
+    out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
     _mla_decode_merge[(b, h)](o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
                               h, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), D_LAT=kv_lora_rank,
                               num_warps=4, **pdl.launch(o.device))
@@ -209,9 +218,10 @@ if triton is not None:
 
     @torch.library.custom_op("latentserve::mla_decode", mutates_args=())
     def _mla_decode_op(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                       context_lens: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale).contiguous()
+                       context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
+                       q_pe: torch.Tensor | None = None) -> torch.Tensor:
+        return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=q_pe).contiguous()
 
     @_mla_decode_op.register_fake
-    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale):
+    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=None):
         return q_cat.new_empty(q_cat.shape[0], q_cat.shape[1], kv_lora_rank, dtype=torch.float32)
