@@ -46,7 +46,8 @@ if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
 fi
 if [ "$what" != bench ]; then
   group kernels 150 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \
-    tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py
+    tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py \
+    tests/gpu/test_mla_absorb.py tests/gpu/test_mla_decode_kernel.py
   group fp8 150 tests/gpu/test_fp8.py
   group comm 60 tests/gpu/test_device_comm.py
   group tp 150 tests/gpu/test_tp_graphs.py
