@@ -17,7 +17,7 @@ from triton.backends import Backend, backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from service.model import fp8, fp8_grouped, fp8_moe, mla_absorb, moe_grouped  # noqa: E402
+from service.model import fp8, fp8_grouped, fp8_moe, mla_absorb, mla_decode, moe_grouped  # noqa: E402
 
 H200_SHARED = 232448  # bytes per block, opt-in maximum of sm_90
 POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16", "w_ptr": "fp8e4nv",
@@ -95,6 +95,17 @@ for _bb in (16, 64):
         mla_absorb._absorb_q_kernel, dict(IEEE=False, BLOCK_B=bb, BLOCK_K=64, BLOCK_D=64), 4, 2, ABSORB)),
                  (f"mla absorb out {_bb} rows", lambda bb=_bb: (
                      mla_absorb._absorb_out_kernel, dict(IEEE=False, BLOCK_B=bb, BLOCK_K=64, BLOCK_V=32), 4, 2, ABSORB))]
+
+# The MLA decode split kernel at its launch table's shapes, writing the new token's KV and not.
+MLA = {"q_ptr": "bf16", "qpe_ptr": "bf16", "kv_ptr": "bf16", "new_ptr": "bf16", "bt_ptr": "i32", "ctx_ptr": "i32",
+       "new_slot_ptr": "i64"}
+for _batch in (1, 8, 64, 256):
+    _cfg = mla_decode.launch_config(_batch, 16)
+    for _write in (False, True):
+        LAUNCHES += [(f"mla decode batch {_batch} write_kv={_write}", lambda c=_cfg, w=_write, b=_batch: (
+            mla_decode._mla_decode_split, dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=16, BLOCK_N=c["BLOCK_N"],
+                                               NUM_SPLITS=mla_decode.num_splits(b, 16), WRITE_KV=w, IEEE=False),
+            c["num_warps"], c["num_stages"], MLA))]
 
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])

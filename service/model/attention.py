@@ -12,6 +12,7 @@ context is read once as latents and never expanded.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -267,9 +268,11 @@ class MLAAttention(nn.Module):
         else:
             if meta.slot_mapping is None:
                 raise ValueError("the chunks' block tables do not cover their context: cannot use the KV cache")
-            write_kv(kv_cache, meta.slot_mapping, latent)
+            writes = self._decode_writes_kv(q, kv_cache, meta)
+            if not writes:
+                write_kv(kv_cache, meta.slot_mapping, latent)
             if not meta.prefill_chunks:  # decodes only (token i is decode i): no gather, no scatter
-                out = self._absorbed_decode(q, kv_cache, meta)
+                out = self._absorbed_decode(q, kv_cache, meta, latent if writes else None)
             elif meta.decode_token_idx.numel():
                 out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
             groups, others, span = meta.prefill_groups() if meta.prefill_chunks else ([], [], None)
@@ -348,9 +351,19 @@ class MLAAttention(nn.Module):
                                            attn_mask=mask, is_causal=causal, scale=self.scale)
         return o.transpose(1, 2)[..., : self.v_dim]
 
-    def _absorbed_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        """q [B, heads, qk] (one token per sequence) against its whole cached context."""
+    def _decode_writes_kv(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata) -> bool:
+        """A step of decodes only on the Triton kernel: it writes the step's KV rows itself, one
+        launch fewer than write_kv (LATENTSERVE_MLA_WRITE_KV=0 keeps write_kv: a bench baseline)."""
+        return (not meta.prefill_chunks and meta.decode_context_lens is not None and meta.slot_mapping is not None
+                and os.environ.get("LATENTSERVE_MLA_WRITE_KV", "1") != "0"
+                and mla_decode.supported(q, kv_cache, self.kv_lora_rank))
+
+    def _absorbed_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata,
+                         new_kv: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, heads, qk] (one token per sequence) against its whole cached context. new_kv
+        (`_decode_writes_kv`): the step's latents, not yet in the cache; the kernel writes them."""
         b = q.shape[0]
+        new = {} if new_kv is None else {"new_kv": new_kv.to(kv_cache.dtype), "new_slots": meta.slot_mapping}
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
         if (meta.decode_context_lens is not None and mla_absorb.supported(q, w)
@@ -359,14 +372,14 @@ class MLAAttention(nn.Module):
             # the attention kernel as two inputs, its fp32 output to o_proj's rows.
             q_latent = torch.ops.latentserve.mla_absorb_q(q[..., : self.nope], w_uk)
             o_latent = mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                             self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:])
+                                             self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:], **new)
             return torch.ops.latentserve.mla_absorb_out(o_latent, w_uv).view(b, self.num_heads, self.v_dim)
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]
         # [c_kv | k_pe] rows match [q_latent | q_pe]: one matmul scores both parts.
         q_cat = torch.cat([q_latent, q[..., self.nope:]], dim=-1)
         if meta.decode_context_lens is not None and mla_decode.supported(q_cat, kv_cache, self.kv_lora_rank):
             o_latent = mla_decode.mla_decode(q_cat, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                             self.kv_lora_rank, self.scale).to(q.dtype)
+                                             self.kv_lora_rank, self.scale, **new).to(q.dtype)
             return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         if meta.decode_slots is None:
             raise ValueError("decode metadata without decode_slots needs the Triton decode kernel")

@@ -77,13 +77,18 @@ def launch_config(batch: int, num_heads: int) -> dict:
 if triton is not None:
 
     @triton.jit
-    def _mla_decode_split(q_ptr, qpe_ptr, kv_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+    def _mla_decode_split(q_ptr, qpe_ptr, kv_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr, new_ptr, new_slot_ptr,
                           stride_qb, stride_qh, stride_pb, stride_ph, stride_slot, stride_bt,
-                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_new,
                           num_heads, scale,
                           BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          IEEE: tl.constexpr, PDL: tl.constexpr):
+                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) is attended
+        from registers after the loop, and written to its slot (head block 0), by the one program
+        whose split holds its position: the KV write needs no kernel of its own. The loop stops
+        before that position and stays as it is (substituting the row inside the pipelined tile
+        loads cost 36 KB more shared memory a program, compiled for sm_90)."""
         pdl.enter(PDL)
         b = tl.program_id(0)
         hblk = tl.program_id(1)
@@ -103,12 +108,15 @@ if triton is not None:
         q_pe = tl.load(qpe_ptr + b * stride_pb + heads[:, None] * stride_ph + d_pe[None, :], mask=hmask[:, None],
                        other=0.0)
 
+        owns_new = (start <= ctx - 1) & (ctx - 1 < end)
+        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV else end
+
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(start, loop_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs < end
+            nmask = offs < loop_end
             blk = tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=nmask, other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
             # Masked loads give 0 for slots past the context: they may hold NaN (poisoned pages).
@@ -131,6 +139,25 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
             m_i = m_new
+
+        if WRITE_KV:
+            if owns_new:  # one more position: the new token, from registers
+                new_lat = tl.load(new_ptr + b * stride_new + d_lat)
+                new_pe = tl.load(new_ptr + b * stride_new + D_LAT + d_pe)
+                s_new = (tl.sum(q_lat.to(tl.float32) * new_lat.to(tl.float32)[None, :], 1)
+                         + tl.sum(q_pe.to(tl.float32) * new_pe.to(tl.float32)[None, :], 1)) * scale
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp(m_i - m_new)
+                p_new = tl.exp(s_new - m_new)
+                l_i = l_i * alpha + p_new
+                # p rounded to the cache dtype for the value sum, as the tiles' tl.dot takes it
+                p_v = p_new.to(new_lat.dtype).to(tl.float32)
+                acc = acc * alpha[:, None] + p_v[:, None] * new_lat.to(tl.float32)[None, :]
+                m_i = m_new
+                if hblk == 0:
+                    new_slot = tl.load(new_slot_ptr + b).to(tl.int64)
+                    tl.store(kv_ptr + new_slot * stride_slot + d_lat, new_lat)
+                    tl.store(kv_ptr + new_slot * stride_slot + D_LAT + d_pe, new_pe)
 
         # Every split writes both outputs, empty ones (0, -inf), so the merge never reads garbage.
         nonempty = l_i > 0
@@ -163,20 +190,29 @@ if triton is not None:
 
 def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
-               splits: int | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
+               splits: int | None = None, q_pe: torch.Tensor | None = None,
+               new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None) -> torch.Tensor:
     """q_cat [B, H, kv_lora_rank + rope] (absorbed query | roped query), or with q_pe [B, H, rope]
     the absorbed query alone [B, H, kv_lora_rank] (two inputs: no cat); kv_cache
     [num_blocks, block_size, kv_lora_rank + rope]; block_tables [B, W] (any int dtype);
-    context_lens [B] >= 1. Returns the attention output in latent space, [B, H, kv_lora_rank] fp32."""
+    context_lens [B] >= 1. With new_kv [B, kv_lora_rank + rope] (each sequence's new token, in the
+    cache dtype) and new_slots [B], the kernel writes those rows to their slots itself and
+    attends them as the last position: what write_kv did before it, one launch fewer.
+    Returns the attention output in latent space, [B, H, kv_lora_rank] fp32."""
     if splits is None and torch.compiler.is_compiling():
+        if new_kv is not None:
+            return torch.ops.latentserve.mla_decode_write(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank,
+                                                          scale, q_pe, new_kv, new_slots)
         return torch.ops.latentserve.mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale,
                                                 q_pe)
-    return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, splits, q_pe=q_pe)
+    return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, splits, q_pe=q_pe,
+                       new_kv=new_kv, new_slots=new_slots)
 
 
 def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
-                splits: int | None = None, cfg: dict | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
+                splits: int | None = None, cfg: dict | None = None, q_pe: torch.Tensor | None = None,
+                new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None) -> torch.Tensor:
     """cfg overrides the split kernel's launch shape (BLOCK_N, num_warps, num_stages): the
     sweep in bench/mla_decode.py."""
     if q_pe is None:
@@ -197,13 +233,20 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     ieee = q_lat.dtype == torch.float32
     launch = {**launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}), **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
+    write = new_kv is not None
+    if write:
+        if new_kv.shape != (b, d) or new_kv.dtype != kv_cache.dtype or new_slots is None or new_slots.shape != (b,):
+            raise ValueError(f"new_kv {tuple(new_kv.shape)} {new_kv.dtype} / new_slots do not fit batch {b}, "
+                             f"width {d}, cache {kv_cache.dtype}")
+        new_kv = new_kv if new_kv.stride(-1) == 1 else new_kv.contiguous()
     _mla_decode_split[grid](
         q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse,
+        new_kv if write else kv_cache, new_slots if write else context_lens,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1), block_tables.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0,
         h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        NUM_SPLITS=splits, IEEE=ieee, **launch, **pdl.launch(q_lat.device),
+        NUM_SPLITS=splits, WRITE_KV=write, IEEE=ieee, **launch, **pdl.launch(q_lat.device),
     )
     if splits == 1:
         return o[:, 0]
@@ -224,4 +267,17 @@ if triton is not None:
 
     @_mla_decode_op.register_fake
     def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=None):
+        return q_cat.new_empty(q_cat.shape[0], q_cat.shape[1], kv_lora_rank, dtype=torch.float32)
+
+    # The writing variant is its own op: it mutates the cache, which the read-only op must not
+    # declare (a mutated input costs the compiled graph its reordering freedom around the call).
+    @torch.library.custom_op("latentserve::mla_decode_write", mutates_args=("kv_cache",))
+    def _mla_decode_write_op(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                             context_lens: torch.Tensor, kv_lora_rank: int, scale: float, q_pe: torch.Tensor | None,
+                             new_kv: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
+        return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=q_pe,
+                           new_kv=new_kv, new_slots=new_slots).contiguous()
+
+    @_mla_decode_write_op.register_fake
+    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe, new_kv, new_slots):
         return q_cat.new_empty(q_cat.shape[0], q_cat.shape[1], kv_lora_rank, dtype=torch.float32)

@@ -98,3 +98,63 @@ def test_absorbed_decode_through_the_kernels_equals_the_bmm_path(monkeypatch):
         theirs = attn._absorbed_decode(q, kv, meta)
     assert ours.shape == theirs.shape == (4, 8, 32)
     assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5), (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_decode_writes_the_new_token_and_attends_it(splits):
+    """new_kv/new_slots: each row's new token (its slot still poisoned) is attended as the last
+    position and written to its slot, nothing else in the cache changes; equal to writing first."""
+    lora, rope, block_size, batch = 64, 16, 4, 5
+    q, kv, tables, ctx, ctx_list = case(23, batch, 8, lora, rope, block_size, torch.float32, 40)
+    ctx_list[1] = 4  # a new token at a block's last slot
+    ctx[1] = 4
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(ctx_list)], device=DEVICE)
+    new = torch.randn(batch, lora + rope, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    flat = kv.view(-1, lora + rope)
+    flat[slots] = float("nan")  # whatever the slot held before
+    scale = (lora + rope) ** -0.5
+    written = kv.clone()
+    written.view(-1, lora + rope)[slots] = new
+    expect = mla_decode.mla_decode(q, written, tables, ctx, lora, scale, splits=splits)
+    before = kv.clone()
+    out = mla_decode.mla_decode(q, kv, tables, ctx, lora, scale, splits=splits, new_kv=new, new_slots=slots)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, expect, rtol=1e-5, atol=1e-6), (out - expect).abs().max()
+    assert torch.equal(flat[slots], new)
+    others = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert torch.equal(flat[others].nan_to_num(7.0), before.view(-1, lora + rope)[others].nan_to_num(7.0))
+
+
+def test_attention_decode_writes_kv_in_the_kernel(monkeypatch):
+    """MLAAttention.forward on a step of decodes: the kernel's own KV write equals write_kv's
+    (LATENTSERVE_MLA_WRITE_KV=0) in output and cache."""
+    from service.config import ModelConfig
+    from service.engine.plan import SeqChunk
+    from service.model.attention import AttnMetadata, MLAAttention
+    from service.model.layers import RotaryEmbedding
+    from service.parallel import TPGroup
+
+    cfg = ModelConfig(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64,
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, hidden_size=128)
+    attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32).to(DEVICE)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    block_size, ctx = 4, [1, 6, 13]
+    chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
+    meta = AttnMetadata.build(chunks, block_size, DEVICE)
+    cache = torch.randn(12, block_size, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    rope = RotaryEmbedding(cfg).to(DEVICE)
+    cos, sin = rope.lookup(meta.positions)
+    assert attn._decode_writes_kv(torch.empty(3, 8, 48, device=DEVICE), cache, meta)
+    with torch.no_grad():
+        ours_cache = cache.clone()
+        ours = attn(x, cos, sin, meta, ours_cache)
+        monkeypatch.setenv("LATENTSERVE_MLA_WRITE_KV", "0")
+        theirs_cache = cache.clone()
+        theirs = attn(x, cos, sin, meta, theirs_cache)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()
+    assert torch.equal(ours_cache, theirs_cache)
