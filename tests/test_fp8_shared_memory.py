@@ -17,7 +17,7 @@ from triton.backends import Backend, backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from service.model import fp8, fp8_grouped, fp8_moe, mla_absorb, mla_decode, moe_grouped  # noqa: E402
+from service.model import fp8, fp8_grouped, fp8_moe, gemv, mla_absorb, mla_decode, moe_grouped  # noqa: E402
 
 H200_SHARED = 232448  # bytes per block, opt-in maximum of sm_90
 POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16", "w_ptr": "fp8e4nv",
@@ -106,6 +106,11 @@ for _batch in (1, 8, 64, 256):
             mla_decode._mla_decode_split, dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=16, BLOCK_N=c["BLOCK_N"],
                                                NUM_SPLITS=mla_decode.num_splits(b, 16), WRITE_KV=w, IEEE=False),
             c["num_warps"], c["num_stages"], MLA))]
+
+# The bf16 GEMV at one row, alone and summing a pair of projections.
+GEMV = {"w_ptr": "bf16", "x2_ptr": "bf16", "w2_ptr": "bf16"}
+LAUNCHES += [(f"bf16 gemv pair={_pair}", lambda p=_pair: (
+    gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, PAIR=p), 4, 4, GEMV)) for _pair in (False, True)]
 
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])

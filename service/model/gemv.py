@@ -52,6 +52,13 @@ def gated_enabled() -> bool:
     return os.environ.get("LATENTSERVE_GATED_GEMV", "0") == "1"
 
 
+def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor) -> bool:
+    """Both projections GEMV-shaped, into the same rows and width (LATENTSERVE_GEMV_PAIR=0: two
+    launches and an add, the bench's baseline)."""
+    return (os.environ.get("LATENTSERVE_GEMV_PAIR", "1") != "0" and supported(x, weight) and supported(x2, weight2)
+            and weight.shape[0] == weight2.shape[0] and x.numel() // x.shape[-1] == x2.numel() // x2.shape[-1])
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if triton is None or GUARD.failure is not None or not (x.is_cuda or INTERPRET) or weight.dim() != 2:
         return False
@@ -88,14 +95,7 @@ def block_n(n: int, sms: int = 132) -> int:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        pdl.enter(PDL)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
-        nmask = n < N
-        mmask = m < M
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_K: tl.constexpr):
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
@@ -104,6 +104,22 @@ if triton is not None:
             xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
                          other=0.0).to(tl.float32)
             acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)
+        return acc
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
+                     stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PAIR: tl.constexpr, PDL: tl.constexpr):
+        """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum)."""
+        pdl.enter(PDL)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        nmask = n < N
+        mmask = m < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_K)
+        if PAIR:
+            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, K2, stride_x2, stride_w2, BLOCK_K)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
@@ -146,12 +162,14 @@ if triton is not None:
         bk = max(64, min(max_k, 8192 // (bm * bn), triton.next_power_of_2(k)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
 
-    def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict) -> None:
+    def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict,
+               pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         m, k = x2.shape
         n = weight.shape[0]
+        xb, wb = pair if pair is not None else (x2, weight)
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(m), **cfg, **pdl.launch(x2.device))
+            x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
+            wb.stride(0), BLOCK_M=triton.next_power_of_2(m), PAIR=pair is not None, **cfg, **pdl.launch(x2.device))
 
     def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
@@ -188,6 +206,25 @@ if triton is not None:
     @gated_gemv.register_fake
     def _(x, weight, act, beta, linear_beta):
         return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+    @torch.library.custom_op("latentserve::gemv_pair", mutates_args=())
+    def gemv_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight[N, K]^T + x2 [M, K2] @ weight2[N, K2]^T -> [M, N] in x's dtype: two
+        projections into the same rows (a latent MoE's up-projection and its shared experts'
+        down-projection at TP 1) in one launch, summed in fp32."""
+        a, b = _rows(x), _rows(x2)
+        y = torch.empty(a.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        launch(a, weight, y, config(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device)),
+               pair=(b, weight2))
+        return y
+
+    @gemv_pair.register_fake
+    def _(x, weight, x2, weight2):
+        return x.new_empty(x.reshape(-1, x.shape[-1]).shape[0], weight.shape[0])
 
     @torch.library.custom_op("latentserve::gemv", mutates_args=())
     def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

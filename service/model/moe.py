@@ -14,8 +14,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel import TPGroup
-from ..tail.base import TailRunner
-from . import cpu_kernels, fp8_moe, moe_entry, moe_grouped, moe_kernels
+from ..tail.base import TailRunner, latent_norm
+from . import cpu_kernels, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, act_params, frozen
 
@@ -219,6 +219,9 @@ class MoE(nn.Module):
             latent, h, logits = entry
             weights, ids = self.gate.select(logits)
             routed_partial = self.experts(latent, weights, ids)
+            out = self._one_rank_tail(routed_partial, h)
+            if out is not None:
+                return out
             shared_partial = self.shared_experts.down_proj(h, reduce=False)
         else:
             weights, ids = self.gate(x)
@@ -230,6 +233,20 @@ class MoE(nn.Module):
             return self.tp.all_reduce(routed_partial + shared_partial)
         norm_weight = self.routed_expert_norm.weight if self.routed_expert_norm is not None else None
         return self.tail(routed_partial, shared_partial, norm_weight, self.routed_expert_up_proj.weight, self.eps)
+
+    def _one_rank_tail(self, routed: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """TP 1, one token: the latent's up-projection and the shared experts' down-projection
+        land in the same rows, so one GEMV launch sums both (tail.unfused_tail's math, with the
+        sum rounded once); None where it does not apply."""
+        down = self.shared_experts.down_proj
+        if self.tp.world_size != 1 or getattr(down, "weight_scale_inv", None) is not None:
+            return None
+        latent = latent_norm(routed, self.routed_expert_norm.weight if self.routed_expert_norm is not None else None,
+                             self.eps)
+        up = self.routed_expert_up_proj.weight
+        if not gemv.pair_supported(latent, up, h, down.weight):
+            return None
+        return gemv.run(torch.ops.latentserve.gemv_pair, latent, up, h, down.weight)
 
     def _entry(self, x: torch.Tensor):
         """(latent, shared experts' activation, router logits) from one kernel, or None."""

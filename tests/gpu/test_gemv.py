@@ -89,3 +89,42 @@ def test_gated_gemv_matches_act_and_mul(act, beta, linear_beta, m, dtype):
     torch.testing.assert_close(h.double(), ref, atol=tol * 4, rtol=tol)
     # The torch path rounds the same quantities in another order: a few bf16 ulps apart.
     torch.testing.assert_close(h.double(), torch_path.double(), atol=tol * 4, rtol=tol * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,k2", [(2048, 1024, 768), (100, 96, 40)])
+def test_gemv_pair_sums_two_projections(n, k, k2, dtype):
+    """x @ w^T + x2 @ w2^T in one launch: fp32 sums of both, one rounding."""
+    g = torch.Generator().manual_seed(n + k2)
+    x, x2 = torch.randn(1, k, generator=g).to(DEVICE, dtype), torch.randn(1, k2, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(n, k2, generator=g) / k2 ** 0.5).to(DEVICE, dtype)
+    assert gemv.pair_supported(x, w, x2, w2)
+    y = torch.ops.latentserve.gemv_pair(x, w, x2, w2)
+    ref = x.double() @ w.double().t() + x2.double() @ w2.double().t()
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert y.shape == (1, n) and y.dtype == dtype
+    torch.testing.assert_close(y.double(), ref, atol=tol * 4, rtol=tol)
+    assert not gemv.pair_supported(x, w, x2, w2[:-1])  # different widths
+
+
+def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
+    """A one-token latent MoE layer at TP 1: the paired GEMV equals up-projection + shared down + add."""
+    from service.config import PRESETS
+    from service.model.moe import MoE
+    from service.parallel import TPGroup
+
+    cfg = dataclasses.replace(PRESETS["k3-tiny"])
+    torch.manual_seed(0)
+    layer = MoE(cfg, TPGroup.single(), layer_idx=1, dtype=torch.float32, tail=None).to(DEVICE)
+    for name, p in layer.named_parameters():
+        p.data = (torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1)).to(p.dtype)
+        if name.endswith("norm.weight"):
+            p.data = 1.0 + p.data
+    x = torch.randn(1, cfg.hidden_size).to(DEVICE)
+    latent, h, _ = layer._entry(x)
+    assert layer._one_rank_tail(latent, h) is not None
+    paired = layer(x)
+    monkeypatch.setenv("LATENTSERVE_GEMV_PAIR", "0")
+    assert layer._one_rank_tail(latent, h) is None
+    torch.testing.assert_close(paired, layer(x), atol=1e-5, rtol=1e-4)
