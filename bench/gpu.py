@@ -533,7 +533,8 @@ def profile_prefill(worker, plan, device: str, top: int = 15) -> dict:
 # Prefill's kernel choices above the decode sizes, each timed against the default in the same run.
 PREFILL_VARIANTS = {
     "torch_grouped_moe": {"LATENTSERVE_MOE_GROUPED_MAX_TOKENS": "1024"},  # default: the Triton kernels at every size
-    "triton_router": {"LATENTSERVE_ROUTE_MAX_TOKENS": "1000000000"},  # default: cuBLAS logits + torch top-k
+    "triton_router": {"LATENTSERVE_ROUTE_MAX_TOKENS": "1000000000"},  # default: cuBLAS logits + the select kernel
+    "torch_topk": {"LATENTSERVE_ROUTE_SELECT": "0"},  # cuBLAS logits + the torch chain (three top-k's)
 }
 
 

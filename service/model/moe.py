@@ -51,6 +51,10 @@ class TopkRouter(KeepFloat32, nn.Module):
                                    float(self.scaling), self.softmax)
             if out is not None:
                 return out
+        if moe_kernels.select_supported(x, self.weight.shape[0], self.n_group):  # prefill: cuBLAS logits
+            out = moe_kernels.call(self.select, F.linear(x.float(), self.weight.float()))
+            if out is not None:
+                return out
         return route(x, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k,
                      self.norm_topk_prob, self.scaling, self.softmax)
 

@@ -68,10 +68,21 @@ def _on_device(x: torch.Tensor) -> bool:
 
 
 def route_max_tokens() -> int:
-    """Above this many tokens (prefill) the router's logits go to cuBLAS and its top-k to torch:
-    the Triton router reads its weight once per token tile and took 0.6 ms a layer for 8 x 1024
-    tokens on the H200 (14 of 78 ms of the prefill). LATENTSERVE_ROUTE_MAX_TOKENS."""
+    """Above this many tokens (prefill) the router's logits go to cuBLAS (the selection stays a
+    kernel: `select_supported`). The Triton logits kernel reads the router's weight once per
+    token tile and took 0.6 ms a layer for 8 x 1024 tokens on the H200 (14 of 78 ms of the
+    prefill). LATENTSERVE_ROUTE_MAX_TOKENS."""
     return int(os.environ.get("LATENTSERVE_ROUTE_MAX_TOKENS", "512"))
+
+
+def select_supported(x: torch.Tensor, num_experts: int, n_group: int) -> bool:
+    """The selection kernel (`route_select`) at any token count: one program per token, so prefill
+    pays ~2 launches for what the torch chain does in ~10 (three top-k's among them: 7.4 of 62 ms
+    of device time in the 8 x 1024 prefill on the H200, run 14). LATENTSERVE_ROUTE_SELECT=0 keeps
+    the torch chain above route_max_tokens (a bench variant)."""
+    pow2 = num_experts & (num_experts - 1) == 0
+    return (_on_device(x) and num_experts <= 1024 and (n_group <= 1 or (pow2 and num_experts % n_group == 0))
+            and os.environ.get("LATENTSERVE_ROUTE_SELECT", "1") != "0")
 
 
 def route_supported(x: torch.Tensor, num_experts: int, n_group: int) -> bool:

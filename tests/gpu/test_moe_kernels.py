@@ -44,6 +44,31 @@ def test_route_matches_torch(experts, top_k, n_group, topk_group, softmax, norm)
                                rtol=1e-5, atol=1e-6)
 
 
+def test_prefill_router_selects_in_the_kernel(monkeypatch):
+    """Above route_max_tokens: cuBLAS logits, then the selection kernel; the same experts and
+    weights as the torch chain (LATENTSERVE_ROUTE_SELECT=0)."""
+    from service.config import PRESETS
+
+    cfg = PRESETS["small"]
+    router = moe.TopkRouter(cfg, torch.float32).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape, generator=g) * 0.1)
+    monkeypatch.setenv("LATENTSERVE_ROUTE_MAX_TOKENS", "4")
+    x = torch.randn(9, cfg.hidden_size, generator=g).to(DEVICE)
+    assert not moe_kernels.route_supported(x, cfg.n_routed_experts, cfg.n_group)
+    assert moe_kernels.select_supported(x, cfg.n_routed_experts, cfg.n_group)
+    got_w, got_ids = router(x)
+    monkeypatch.setenv("LATENTSERVE_ROUTE_SELECT", "0")
+    assert not moe_kernels.select_supported(x, cfg.n_routed_experts, cfg.n_group)
+    ref_w, ref_ids = router(x)
+    ref_order, got_order = ref_ids.sort(dim=1), got_ids.sort(dim=1)
+    assert torch.equal(ref_order.values, got_order.values)
+    torch.testing.assert_close(got_w.gather(1, got_order.indices), ref_w.gather(1, ref_order.indices),
+                               rtol=1e-5, atol=1e-6)
+
+
 def reference(x, w13, w2, weights, ids, act):
     x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
     shard = w2.shape[2]
