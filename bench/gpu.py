@@ -361,7 +361,10 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "torch_grouped": {"LATENTSERVE_MOE_GROUPED": "torch"}, "cublas_gemv": {"LATENTSERVE_GEMV_MAX_ROWS": "0"},
              "separate_moe_entry": {"LATENTSERVE_MOE_ENTRY": "0"}, "no_pdl": {"LATENTSERVE_PDL": "0"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
-             "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"}}
+             "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
+             # The four decode changes of 2026-12-03's last session off at once (their sum).
+             "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
+                             "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}
 
 
 def bench_decode(args, bw: float) -> LLM:
