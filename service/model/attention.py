@@ -368,8 +368,8 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
         if (meta.decode_context_lens is not None and mla_absorb.supported(q, w)
                 and mla_decode.supported(q, kv_cache, self.kv_lora_rank)):
-            # Three kernels where the bmm's took seven (mla_absorb.py): q_latent and q_pe go to
-            # the attention kernel as two inputs, its fp32 output to o_proj's rows.
+            # Four kernels (three at one split) where the bmm path took seven (mla_absorb.py):
+            # q_latent and q_pe go to the attention kernel as two inputs, its fp32 output to o_proj's rows.
             q_latent = torch.ops.latentserve.mla_absorb_q(q[..., : self.nope], w_uk)
             o_latent = mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
                                              self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:], **new)
