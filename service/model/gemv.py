@@ -95,8 +95,8 @@ def block_n(n: int, sms: int = 132) -> int:
 if triton is not None:
 
     @triton.jit
-    def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_K: tl.constexpr):
-        for k0 in range(0, K, BLOCK_K):
+    def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, start, K, stride_x, stride_w, BLOCK_K: tl.constexpr):
+        for k0 in range(start, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
@@ -110,16 +110,24 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
                      stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PAIR: tl.constexpr, PDL: tl.constexpr):
-        """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum)."""
-        pdl.enter(PDL)
+        """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum).
+
+        The first weight tile is requested before the PDL wait: no kernel of the step writes
+        weights, so under PDL that load overlaps the previous kernel's tail, and only the
+        activation loads wait for it."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nmask = n < N
         mmask = m < M
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc = _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_K)
+        k = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
+                     other=0.0)
+        pdl.enter(PDL)
+        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+        acc = tl.sum(xv.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :], 2)
+        acc = _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K)
         if PAIR:
-            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, K2, stride_x2, stride_w2, BLOCK_K)
+            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
