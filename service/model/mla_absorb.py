@@ -57,14 +57,23 @@ if triton is not None:
     def _absorb_q_kernel(x_ptr, w_ptr, out_ptr, B, N, D, stride_xb, stride_xh, stride_wh, stride_wn,
                          stride_ob, stride_oh, IEEE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        """Program (block of sequences, head, block of latent dims): out = x[rows, h] @ w[h]."""
-        pdl.enter(PDL)
+        """Program (block of sequences, head, block of latent dims): out = x[rows, h] @ w[h].
+        The weight's first K step is loaded before the PDL wait (as in gemv.py)."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         h = tl.program_id(1).to(tl.int64)
         d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         rmask, dmask = rows < B, d < D
-        acc = tl.zeros([BLOCK_B, BLOCK_D], tl.float32)
-        for n0 in range(0, N, BLOCK_K):
+        n = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + d[None, :], mask=(n < N)[:, None] & dmask[None, :],
+                     other=0.0)
+        pdl.enter(PDL)
+        x0 = tl.load(x_ptr + rows[:, None] * stride_xb + h * stride_xh + n[None, :],
+                     mask=rmask[:, None] & (n < N)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x0, w0, input_precision="ieee")
+        else:
+            acc = tl.dot(x0, w0)
+        for n0 in range(BLOCK_K, N, BLOCK_K):
             n = n0 + tl.arange(0, BLOCK_K)
             nmask = n < N
             xv = tl.load(x_ptr + rows[:, None] * stride_xb + h * stride_xh + n[None, :],
@@ -83,15 +92,24 @@ if triton is not None:
                            stride_out, IEEE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_V: tl.constexpr, PDL: tl.constexpr):
         """Program (block of sequences, head, block of v dims): out[rows, h * V + v] =
-        o[rows, h] (rounded to the weight's dtype) @ w[h, v]^T."""
-        pdl.enter(PDL)
+        o[rows, h] (rounded to the weight's dtype) @ w[h, v]^T. The weight's first K step is
+        loaded before the PDL wait."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         h = tl.program_id(1).to(tl.int64)
         v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         rmask, vmask = rows < B, v < V
         dtype = w_ptr.dtype.element_ty
-        acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
-        for d0 in range(0, D, BLOCK_K):
+        d = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_ptr + h * stride_wh + v[None, :] * stride_wv + d[:, None], mask=(d < D)[:, None] & vmask[None, :],
+                     other=0.0)
+        pdl.enter(PDL)
+        o0 = tl.load(o_ptr + rows[:, None] * stride_ob + h * stride_oh + d[None, :],
+                     mask=rmask[:, None] & (d < D)[None, :], other=0.0).to(dtype)
+        if IEEE:
+            acc = tl.dot(o0, w0, input_precision="ieee")
+        else:
+            acc = tl.dot(o0, w0)
+        for d0 in range(BLOCK_K, D, BLOCK_K):
             d = d0 + tl.arange(0, BLOCK_K)
             dmask = d < D
             ov = tl.load(o_ptr + rows[:, None] * stride_ob + h * stride_oh + d[None, :],

@@ -4,9 +4,11 @@ A decode step is hundreds of small kernels in a CUDA graph, each ~3-10 us on the
 every boundary between two of them costs a launch and a ramp-up in which the next kernel does
 nothing. Launched with PDL, a kernel may start while the one before it in the stream is still
 finishing: its programs are scheduled early and wait in `griddepcontrol.wait` until the previous
-kernel has completed and its writes are visible. Every kernel here calls `enter(PDL)` first, so
-nothing it reads or writes is touched before that wait (no read of an input still being written,
-no write over a buffer the previous kernel still reads), then lets its own dependents launch.
+kernel has completed and its writes are visible. Every kernel here calls `enter(PDL)` before it
+touches anything a kernel of the step writes (no read of an input still being written, no write
+over a buffer the previous kernel still reads), then lets its own dependents launch. Only weights,
+which no kernel of a step writes, are read before it: the GEMV's and the MLA absorb kernels' first
+weight tile, so that load overlaps the previous kernel's tail.
 
 Off in the Triton interpreter (no inline PTX), below sm_90, and with LATENTSERVE_PDL=0 (the
 bench's baseline).
