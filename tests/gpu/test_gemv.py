@@ -110,18 +110,9 @@ def test_gemv_pair_sums_two_projections(n, k, k2, dtype):
 
 def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
     """A one-token latent MoE layer at TP 1: the paired GEMV equals up-projection + shared down + add."""
-    from service.config import PRESETS
-    from service.model.moe import MoE
-    from service.parallel import TPGroup
+    from test_moe_entry import latent_moe_layer
 
-    cfg = dataclasses.replace(PRESETS["k3-tiny"])
-    torch.manual_seed(0)
-    layer = MoE(cfg, TPGroup.single(), layer_idx=1, dtype=torch.float32, tail=None).to(DEVICE)
-    for name, p in layer.named_parameters():
-        p.data = (torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1)).to(p.dtype)
-        if name.endswith("norm.weight"):
-            p.data = 1.0 + p.data
-    x = torch.randn(1, cfg.hidden_size).to(DEVICE)
+    layer, x = latent_moe_layer("k3-tiny")
     latent, h, _ = layer._entry(x)
     assert layer._one_rank_tail(latent, h) is not None
     paired = layer(x)

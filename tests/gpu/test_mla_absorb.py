@@ -29,6 +29,21 @@ def kv_b(heads, nope, v, lora, dtype, seed=0):
     return w, w[:, :nope], w[:, nope:]
 
 
+def attention_layer():
+    """An fp32 MLA layer (8 heads, kv_lora_rank 64, rope 16, nope and v 32) with random weights, and its config."""
+    from service.config import ModelConfig
+    from service.model.attention import MLAAttention
+    from service.parallel import TPGroup
+
+    cfg = ModelConfig(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64,
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, hidden_size=128)
+    attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32).to(DEVICE)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    return attn, cfg
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("batch,heads", [(1, 16), (5, 4), (40, 8)])
 def test_absorb_q_matches_float64(dtype, tol, batch, heads):
@@ -78,16 +93,9 @@ def test_decode_with_separate_rope_query_equals_the_cat(splits):
 
 def test_absorbed_decode_through_the_kernels_equals_the_bmm_path(monkeypatch):
     """MLAAttention._absorbed_decode on the kernels against LATENTSERVE_MLA_ABSORB=0 (bmm's, cat)."""
-    from service.config import ModelConfig
-    from service.model.attention import AttnMetadata, MLAAttention
-    from service.parallel import TPGroup
+    from service.model.attention import AttnMetadata
 
-    cfg = ModelConfig(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64,
-                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, hidden_size=128)
-    attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32).to(DEVICE)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, p.shape[-1] ** -0.5)
+    attn, _ = attention_layer()
     q, kv, tables, ctx, _ = case(5, 4, 8, 64, 16, 4, torch.float32, 30)
     q = torch.randn(4, 8, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     meta = AttnMetadata.__new__(AttnMetadata)
@@ -130,18 +138,11 @@ def test_decode_writes_the_new_token_and_attends_it(splits):
 def test_attention_decode_writes_kv_in_the_kernel(monkeypatch):
     """MLAAttention.forward on a step of decodes: the kernel's own KV write equals write_kv's
     (LATENTSERVE_MLA_WRITE_KV=0) in output and cache."""
-    from service.config import ModelConfig
     from service.engine.plan import SeqChunk
-    from service.model.attention import AttnMetadata, MLAAttention
+    from service.model.attention import AttnMetadata
     from service.model.layers import RotaryEmbedding
-    from service.parallel import TPGroup
 
-    cfg = ModelConfig(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64,
-                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, hidden_size=128)
-    attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32).to(DEVICE)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, p.shape[-1] ** -0.5)
+    attn, cfg = attention_layer()
     block_size, ctx = 4, [1, 6, 13]
     chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
     meta = AttnMetadata.build(chunks, block_size, DEVICE)

@@ -56,9 +56,8 @@ def test_not_for_more_rows_or_other_dtypes():
     assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w.to(torch.bfloat16), w, w, "silu")
 
 
-@pytest.mark.parametrize("preset", ["k3-tiny"])
-def test_latent_moe_layer_same_output(preset, monkeypatch):
-    """One token through a latent MoE layer: the entry kernel path equals the separate ops'."""
+def latent_moe_layer(preset: str) -> tuple[MoE, torch.Tensor]:
+    """A TP-1 latent MoE layer of `preset` with small random weights (norms near 1), fp32, and one token."""
     cfg = dataclasses.replace(PRESETS[preset])
     torch.manual_seed(0)
     layer = MoE(cfg, TPGroup.single(), layer_idx=1, dtype=torch.float32, tail=None).to(DEVICE)
@@ -66,7 +65,14 @@ def test_latent_moe_layer_same_output(preset, monkeypatch):
         p.data = (torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1)).to(p.dtype)
         if name.endswith("norm.weight"):
             p.data = 1.0 + p.data
-    x = torch.randn(1, cfg.hidden_size).to(DEVICE)
+    return layer, torch.randn(1, cfg.hidden_size).to(DEVICE)
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny"])
+def test_latent_moe_layer_same_output(preset, monkeypatch):
+    """One token through a latent MoE layer: the entry kernel path equals the separate ops'."""
+    layer, x = latent_moe_layer(preset)
+    cfg = PRESETS[preset]
     assert layer._entry(x) is not None
     fused = layer(x)
     monkeypatch.setenv("LATENTSERVE_MOE_ENTRY", "0")
