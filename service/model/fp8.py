@@ -169,15 +169,20 @@ if triton is not None:
         (the grid covers every SM twice), K streamed in steps of BLOCK_K // SUB scale blocks
         (SUB = min(BK, BLOCK_K)), the weight tile scaled elementwise, fp32 throughout. At one
         row the products accumulate elementwise and reduce once at the end: per-step
-        reductions made this kernel 3x slower than the bf16 GEMV for half the bytes."""
-        pdl.enter(PDL)
+        reductions made this kernel 3x slower than the bf16 GEMV for half the bytes. At one row the
+        first weight and scale tiles are loaded before the PDL wait (weights only, as in gemv.py)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
         kblocks = tl.cdiv(K, BK)
         rows = w_ptr + n[:, None].to(tl.int64) * stride_w
         if BLOCK_M == 1:
-            acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            k = tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w0 = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            s0 = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+            pdl.enter(PDL)
+            acc1 = w0.to(tl.float32) * s0 * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < K
                 w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
@@ -186,6 +191,7 @@ if triton is not None:
                 acc1 += w * scale * xv[None, :]
             tl.store(y_ptr + n, tl.sum(acc1, 1).to(y_ptr.dtype.element_ty), mask=nmask)
         else:
+            pdl.enter(PDL)
             m = tl.arange(0, BLOCK_M)
             mmask = m < M
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
