@@ -17,7 +17,7 @@ from triton.backends import Backend, backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from service.model import fp8, fp8_grouped, fp8_moe, gemv, mla_absorb, mla_decode, moe_grouped  # noqa: E402
+from service.model import fp8, fp8_grouped, fp8_moe, gemv, mla_absorb, mla_decode, moe_entry, moe_grouped  # noqa: E402
 
 H200_SHARED = 232448  # bytes per block, opt-in maximum of sm_90
 POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16", "w_ptr": "fp8e4nv",
@@ -111,6 +111,9 @@ for _batch in (1, 8, 64, 256):
 GEMV = {"w_ptr": "bf16", "x2_ptr": "bf16", "w2_ptr": "bf16"}
 LAUNCHES += [(f"bf16 gemv pair={_pair}", lambda p=_pair: (
     gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, PAIR=p), 4, 4, GEMV)) for _pair in (False, True)]
+LAUNCHES += [("bf16 moe entry", lambda: (moe_entry._entry_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_N=8, BLOCK_K=512), 4, 4,
+                                         {"down_ptr": "bf16", "shared_ptr": "bf16", "router_ptr": "bf16",
+                                          "latent_ptr": "bf16", "h_ptr": "bf16", "logits_ptr": "fp32"}))]
 
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])

@@ -42,9 +42,15 @@ def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _rows(w_ptr, x_ptr, n, nmask, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+    def _rows(w_ptr, x_ptr, n, nmask, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """Rows n of w against x; the first weight tile is loaded before the PDL wait (weights only)."""
+        k = tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :],
+                     other=0.0)
+        pdl.enter(PDL)
+        acc = w0.to(tl.float32) * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
@@ -58,24 +64,31 @@ if triton is not None:
                       K, L, INTER, E, stride_d, stride_s, stride_r, beta, linear_beta,
                       ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
-        pdl.enter(PDL)
+        # Each branch waits for the previous kernel (pdl.enter) after its first weight tile.
         pid = tl.program_id(0)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
         dtype = latent_ptr.dtype.element_ty
         if pid < p_down:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = _rows(down_ptr, x_ptr, n, n < L, K, stride_d, BLOCK_N, BLOCK_K)
+            y = _rows(down_ptr, x_ptr, n, n < L, K, stride_d, BLOCK_N, BLOCK_K, PDL)
             tl.store(latent_ptr + n, y.to(dtype), mask=n < L)
         elif pid < p_down + p_shared:
             n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
             nmask = n < INTER
             # Gate and up rows in the same K loop: twice the loads in flight, not two serial passes
             # (the fifth H200 run: 15.9 us for the kernel with two passes).
-            acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             rows = shared_ptr + n[:, None].to(tl.int64) * stride_s
-            for k0 in range(0, K, BLOCK_K):
+            k = tl.arange(0, BLOCK_K)
+            kmask = k < K
+            wmask = nmask[:, None] & kmask[None, :]
+            g0 = tl.load(rows + k[None, :], mask=wmask, other=0.0)
+            u0 = tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0)
+            pdl.enter(PDL)
+            x0 = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            acc_g = g0.to(tl.float32) * x0[None, :]
+            acc_u = u0.to(tl.float32) * x0[None, :]
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < K
                 wmask = nmask[:, None] & kmask[None, :]
@@ -86,7 +99,7 @@ if triton is not None:
             tl.store(h_ptr + n, h.to(dtype), mask=nmask)
         else:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K), mask=n < E)
+            tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL), mask=n < E)
 
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta):
         k = x.shape[1]
