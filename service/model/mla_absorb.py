@@ -54,100 +54,62 @@ def _rows_block(batch: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _absorb_q_kernel(x_ptr, w_ptr, out_ptr, B, N, D, stride_xb, stride_xh, stride_wh, stride_wn,
+    def _per_head_kernel(x_ptr, w_ptr, out_ptr, B, K, J, stride_xb, stride_xh, stride_wh, stride_wk, stride_wj,
                          stride_ob, stride_oh, IEEE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        """Program (block of sequences, head, block of latent dims): out = x[rows, h] @ w[h].
-        The weight's first K step is loaded before the PDL wait (as in gemv.py)."""
+                         BLOCK_J: tl.constexpr, PDL: tl.constexpr):
+        """Program (block of sequences, head, block of outputs): out[rows, h, j] = x[rows, h] (rounded
+        to the weight's dtype) @ w[h][:, j], any strides on w's two matrix dims, so W_UK [H, nope,
+        lora] and W_UV [H, v, lora] (read transposed) both serve. The weight's first K step is
+        loaded before the PDL wait (as in gemv.py)."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         h = tl.program_id(1).to(tl.int64)
-        d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-        rmask, dmask = rows < B, d < D
-        n = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + d[None, :], mask=(n < N)[:, None] & dmask[None, :],
-                     other=0.0)
+        j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
+        rmask, jmask = rows < B, j < J
+        dtype = w_ptr.dtype.element_ty
+        x_rows = x_ptr + rows[:, None] * stride_xb + h * stride_xh
+        w_cols = w_ptr + h * stride_wh + j[None, :] * stride_wj
+        k = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_cols + k[:, None] * stride_wk, mask=(k < K)[:, None] & jmask[None, :], other=0.0)
         pdl.enter(PDL)
-        x0 = tl.load(x_ptr + rows[:, None] * stride_xb + h * stride_xh + n[None, :],
-                     mask=rmask[:, None] & (n < N)[None, :], other=0.0)
+        x0 = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0).to(dtype)
         if IEEE:
             acc = tl.dot(x0, w0, input_precision="ieee")
         else:
             acc = tl.dot(x0, w0)
-        for n0 in range(BLOCK_K, N, BLOCK_K):
-            n = n0 + tl.arange(0, BLOCK_K)
-            nmask = n < N
-            xv = tl.load(x_ptr + rows[:, None] * stride_xb + h * stride_xh + n[None, :],
-                         mask=rmask[:, None] & nmask[None, :], other=0.0)
-            wv = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + d[None, :],
-                         mask=nmask[:, None] & dmask[None, :], other=0.0)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            xv = tl.load(x_rows + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(dtype)
+            wv = tl.load(w_cols + k[:, None] * stride_wk, mask=kmask[:, None] & jmask[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(xv, wv, input_precision="ieee")
             else:
                 acc += tl.dot(xv, wv)
-        tl.store(out_ptr + rows[:, None] * stride_ob + h * stride_oh + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        tl.store(out_ptr + rows[:, None] * stride_ob + h * stride_oh + j[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & jmask[None, :])
 
-    @triton.jit
-    def _absorb_out_kernel(o_ptr, w_ptr, out_ptr, B, V, D, stride_ob, stride_oh, stride_wh, stride_wv,
-                           stride_out, IEEE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-        """Program (block of sequences, head, block of v dims): out[rows, h * V + v] =
-        o[rows, h] (rounded to the weight's dtype) @ w[h, v]^T. The weight's first K step is
-        loaded before the PDL wait."""
-        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        h = tl.program_id(1).to(tl.int64)
-        v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-        rmask, vmask = rows < B, v < V
-        dtype = w_ptr.dtype.element_ty
-        d = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_ptr + h * stride_wh + v[None, :] * stride_wv + d[:, None], mask=(d < D)[:, None] & vmask[None, :],
-                     other=0.0)
-        pdl.enter(PDL)
-        o0 = tl.load(o_ptr + rows[:, None] * stride_ob + h * stride_oh + d[None, :],
-                     mask=rmask[:, None] & (d < D)[None, :], other=0.0).to(dtype)
-        if IEEE:
-            acc = tl.dot(o0, w0, input_precision="ieee")
-        else:
-            acc = tl.dot(o0, w0)
-        for d0 in range(BLOCK_K, D, BLOCK_K):
-            d = d0 + tl.arange(0, BLOCK_K)
-            dmask = d < D
-            ov = tl.load(o_ptr + rows[:, None] * stride_ob + h * stride_oh + d[None, :],
-                         mask=rmask[:, None] & dmask[None, :], other=0.0).to(dtype)
-            wv = tl.load(w_ptr + h * stride_wh + v[None, :] * stride_wv + d[:, None],
-                         mask=dmask[:, None] & vmask[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(ov, wv, input_precision="ieee")
-            else:
-                acc += tl.dot(ov, wv)
-        tl.store(out_ptr + rows[:, None] * stride_out + h * V + v[None, :], acc.to(dtype),
-                 mask=rmask[:, None] & vmask[None, :])
+    def _per_head(x: torch.Tensor, w: torch.Tensor, k_dim: int, out: torch.Tensor, stride_ob: int, stride_oh: int,
+                  block_j: int) -> torch.Tensor:
+        """out rows of x [B, H, K] against each head's w[h] with its K dim `k_dim` (1 or 2)."""
+        b, h, k = x.shape
+        j_dim = 3 - k_dim
+        if b == 0:
+            return out
+        bb = _rows_block(b)
+        _per_head_kernel[(triton.cdiv(b, bb), h, triton.cdiv(w.shape[j_dim], block_j))](
+            x, w, out, b, k, w.shape[j_dim], x.stride(0), x.stride(1), w.stride(0), w.stride(k_dim), w.stride(j_dim),
+            stride_ob, stride_oh, IEEE=w.dtype == torch.float32, BLOCK_B=bb, BLOCK_K=64, BLOCK_J=block_j,
+            num_warps=4, num_stages=2, **pdl.launch(x.device))
+        return out
 
     def _absorb_q(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        b, h, n = x.shape
-        d = w.shape[2]
-        out = torch.empty(b, h, d, dtype=x.dtype, device=x.device)
-        if b == 0:
-            return out
-        bb, bd = _rows_block(b), 64
-        _absorb_q_kernel[(triton.cdiv(b, bb), h, triton.cdiv(d, bd))](
-            x, w, out, b, n, d, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            IEEE=x.dtype == torch.float32, BLOCK_B=bb, BLOCK_K=64, BLOCK_D=bd, num_warps=4, num_stages=2,
-            **pdl.launch(x.device))
-        return out
+        out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
+        return _per_head(x, w, 1, out, out.stride(0), out.stride(1), 64)
 
     def _absorb_out(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        b, h, d = o.shape
-        v = w.shape[1]
-        out = torch.empty(b, h * v, dtype=w.dtype, device=o.device)
-        if b == 0:
-            return out
-        bb, bv = _rows_block(b), 32
-        _absorb_out_kernel[(triton.cdiv(b, bb), h, triton.cdiv(v, bv))](
-            o, w, out, b, v, d, o.stride(0), o.stride(1), w.stride(0), w.stride(1), out.stride(0),
-            IEEE=w.dtype == torch.float32, BLOCK_B=bb, BLOCK_K=64, BLOCK_V=bv, num_warps=4, num_stages=2,
-            **pdl.launch(o.device))
-        return out
+        h, v = w.shape[:2]
+        out = torch.empty(o.shape[0], h * v, dtype=w.dtype, device=o.device)
+        return _per_head(o, w, 2, out, out.stride(0), v, 32)
 
     @torch.library.custom_op("latentserve::mla_absorb_q", mutates_args=())
     def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
