@@ -89,11 +89,13 @@ for _row in moe_grouped.CONFIGS:
                      moe_grouped._down_kernel, dict(e), nw, ns, BF16))]
 
 # MLA decode's absorbed projections (bf16 tensor-core tiles, the batch-1 and batch-64 row blocks).
-# W_UK takes the bf16 query in blocks of 64 latent dims; W_UV the attention's fp32 output, 32 v dims.
+# W_UK takes the bf16 query in blocks of 64 latent dims, its rows contiguous along j; W_UV the
+# attention's fp32 output, 32 v dims, contiguous along k. A stride of 1 is a constant at launch.
 for _bb in (16, 64):
-    LAUNCHES += [(f"mla absorb {_x} x, {_bb} rows x {_bj}", lambda bb=_bb, bj=_bj, x=_x: (
-        mla_absorb._per_head_kernel, dict(IEEE=False, BLOCK_B=bb, BLOCK_K=64, BLOCK_J=bj), 4, 2,
-        {"w_ptr": "bf16", "out_ptr": "bf16", "x_ptr": x})) for _x, _bj in (("bf16", 64), ("fp32", 32))]
+    LAUNCHES += [(f"mla absorb {_x} x, {_bb} rows x {_bj}", lambda bb=_bb, bj=_bj, x=_x, unit=_unit: (
+        mla_absorb._per_head_kernel, {"IEEE": False, "BLOCK_B": bb, "BLOCK_K": 64, "BLOCK_J": bj, unit: 1}, 4, 2,
+        {"w_ptr": "bf16", "out_ptr": "bf16", "x_ptr": x}))
+        for _x, _bj, _unit in (("bf16", 64, "stride_wj"), ("fp32", 32, "stride_wk"))]
 
 # The MLA decode split kernel at its launch table's shapes, writing the new token's KV and not.
 MLA = {"q_ptr": "bf16", "qpe_ptr": "bf16", "kv_ptr": "bf16", "new_ptr": "bf16", "bt_ptr": "i32", "ctx_ptr": "i32",
