@@ -235,8 +235,11 @@ class MoE(nn.Module):
                               else torch.zeros_like(x))
         if not self.latent:
             return self.tp.all_reduce(routed_partial + shared_partial)
-        norm_weight = self.routed_expert_norm.weight if self.routed_expert_norm is not None else None
-        return self.tail(routed_partial, shared_partial, norm_weight, self.routed_expert_up_proj.weight, self.eps)
+        return self.tail(routed_partial, shared_partial, self._norm_weight(), self.routed_expert_up_proj.weight,
+                         self.eps)
+
+    def _norm_weight(self) -> torch.Tensor | None:
+        return self.routed_expert_norm.weight if self.routed_expert_norm is not None else None
 
     def _one_rank_tail(self, routed: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
         """TP 1, one token: the latent's up-projection and the shared experts' down-projection
@@ -245,8 +248,7 @@ class MoE(nn.Module):
         down = self.shared_experts.down_proj
         if self.tp.world_size != 1 or getattr(down, "weight_scale_inv", None) is not None:
             return None
-        latent = latent_norm(routed, self.routed_expert_norm.weight if self.routed_expert_norm is not None else None,
-                             self.eps)
+        latent = latent_norm(routed, self._norm_weight(), self.eps)
         up = self.routed_expert_up_proj.weight
         if not gemv.pair_supported(latent, up, h, down.weight):
             return None

@@ -80,15 +80,17 @@ def select_supported(x: torch.Tensor, num_experts: int, n_group: int) -> bool:
     pays ~2 launches for what the torch chain does in ~10 (three top-k's among them: 7.4 of 62 ms
     of device time in the 8 x 1024 prefill on the H200, run 14). LATENTSERVE_ROUTE_SELECT=0 keeps
     the torch chain above route_max_tokens (a bench variant)."""
-    pow2 = num_experts & (num_experts - 1) == 0
-    return (_on_device(x) and num_experts <= 1024 and (n_group <= 1 or (pow2 and num_experts % n_group == 0))
-            and os.environ.get("LATENTSERVE_ROUTE_SELECT", "1") != "0")
+    return _routable(x, num_experts, n_group) and os.environ.get("LATENTSERVE_ROUTE_SELECT", "1") != "0"
 
 
 def route_supported(x: torch.Tensor, num_experts: int, n_group: int) -> bool:
+    return _routable(x, num_experts, n_group) and x.shape[0] <= route_max_tokens()
+
+
+def _routable(x: torch.Tensor, num_experts: int, n_group: int) -> bool:
+    """The selection kernel's shapes: up to 1024 experts, groups of equal power-of-2 size."""
     pow2 = num_experts & (num_experts - 1) == 0
-    return (_on_device(x) and num_experts <= 1024 and (n_group <= 1 or (pow2 and num_experts % n_group == 0))
-            and x.shape[0] <= route_max_tokens())
+    return _on_device(x) and num_experts <= 1024 and (n_group <= 1 or (pow2 and num_experts % n_group == 0))
 
 
 def experts_supported(x: torch.Tensor, act: str) -> bool:

@@ -7,8 +7,8 @@ finishing: its programs are scheduled early and wait in `griddepcontrol.wait` un
 kernel has completed and its writes are visible. Every kernel here calls `enter(PDL)` before it
 touches anything a kernel of the step writes (no read of an input still being written, no write
 over a buffer the previous kernel still reads), then lets its own dependents launch. Only weights,
-which no kernel of a step writes, are read before it: the GEMV's and the MLA absorb kernels' first
-weight tile, so that load overlaps the previous kernel's tail.
+which no kernel of a step writes, are read before it: the first weight tile of the GEMVs (bf16 and
+FP8), the MoE entry kernel and the MLA absorb kernel, so that load overlaps the previous kernel's tail.
 
 Off in the Triton interpreter (no inline PTX), below sm_90, and with LATENTSERVE_PDL=0 (the
 bench's baseline).
