@@ -179,11 +179,14 @@ if triton is not None:
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
             wb.stride(0), BLOCK_M=triton.next_power_of_2(m), PAIR=pair is not None, **cfg, **pdl.launch(x2.device))
 
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] as rows [M, K] with contiguous K."""
+        x2 = x.reshape(-1, x.shape[-1])
+        return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
     def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _rows(x)
         m, n = x2.shape[0], weight.shape[0]
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         launch(x2, weight, y, config(m, n, k, sm_count(x.device)))
@@ -191,9 +194,7 @@ if triton is not None:
 
     def _gated(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float, linear_beta: float | None):
         k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _rows(x)
         m, inter = x2.shape[0], weight.shape[0] // 2
         h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
         # Two weight tiles per step: half the K block of a plain GEMV with the same registers.
@@ -214,10 +215,6 @@ if triton is not None:
     @gated_gemv.register_fake
     def _(x, weight, act, beta, linear_beta):
         return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
-
-    def _rows(x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
     @torch.library.custom_op("latentserve::gemv_pair", mutates_args=())
     def gemv_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
