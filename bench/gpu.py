@@ -535,24 +535,29 @@ def profile_prefill(worker, plan, device: str, top: int = 15) -> dict:
 
 # Prefill's kernel choices above the decode sizes, each timed against the default in the same run.
 PREFILL_VARIANTS = {
+    "eager_prefill": {"LATENTSERVE_PREFILL_GRAPHS": "0"},  # default: piecewise graphs (model/prefill_graphs.py)
     "torch_grouped_moe": {"LATENTSERVE_MOE_GROUPED_MAX_TOKENS": "1024"},  # default: the Triton kernels at every size
     "triton_router": {"LATENTSERVE_ROUTE_MAX_TOKENS": "1000000000"},  # default: cuBLAS logits + the select kernel
     "torch_topk": {"LATENTSERVE_ROUTE_SELECT": "0"},  # cuBLAS logits + the torch chain (three top-k's)
+    "unpadded_v": {"LATENTSERVE_SDPA_PAD_V": "0"},  # a candidate: SDPA on v without flash's zero columns
 }
 
 
 def bench_prefill(args) -> None:
-    """One eager prefill step of --prefill-seqs x --prefill-len tokens from position 0 (the
-    engine's prefill path: a step with prefill chunks never replays a decode graph): FLOPs counted
+    """One prefill step of --prefill-seqs x --prefill-len tokens from position 0 (the engine's
+    prefill path: piecewise graphs with eager attention, `eager_prefill` its baseline): FLOPs counted
     from the config (bench/prefill_flops.py) over the step's time, against a large bf16 matmul
     timed in the same run (issue 12's target: >= 0.40)."""
     from prefill_flops import prefill_flops
 
     cuda = args.device.startswith("cuda")
     seqs, length = args.prefill_seqs, args.prefill_len
+    # No decode graphs (nothing here decodes); the prefill graphs are captured for up to the step's tokens.
     llm = make_llm(args.device, MID, args.preset, max_num_seqs=seqs, max_num_batched_tokens=seqs * length,
-                   max_model_len=max(length + 1, 256), kv_cache_memory_bytes=GIB, enforce_eager=True)
+                   max_model_len=max(length + 1, 256), kv_cache_memory_bytes=GIB, cuda_graph_batch_sizes=[])
     worker, cfg = llm.executor.rank0, llm.config.model_config
+    graphs = worker.prefill_graphs.stats() if worker.prefill_graphs is not None else None
+    log(f"prefill graphs: {graphs}")
     per = -(-length // llm.config.block_size)
     plan = StepPlan([SeqChunk(i, [5 + (31 * i + 7 * j) % (cfg.vocab_size - 5) for j in range(length)], 0,
                               list(range(i * per, (i + 1) * per)), state_slot=i) for i in range(seqs)])
@@ -563,7 +568,7 @@ def bench_prefill(args) -> None:
         runs = [timed(partial(worker.execute, plan), args.device, 3) * 1e3 for _ in range(5)]
         ms, best = statistics.median(runs), min(runs)
         prof = profile_prefill(worker, plan, args.device)
-        # In-run baselines: the same step under each switch (read per call; prefill is eager).
+        # In-run baselines: the same step under each switch (read per step, graphs or not).
         variants = {}
         for name, env in {**PREFILL_VARIANTS, **dict(args.prefill_variant)}.items():
             with switches(env):
@@ -575,10 +580,11 @@ def bench_prefill(args) -> None:
     n = 8192 if cuda else 512
     rate = matmul_rate(args.device, n)
     achieved = total / (ms / 1e3)
-    # The step is eager: ~1300 launches from Python, so host jitter moves its wall time by up to
+    # Eager, the step was ~1100 launches from Python and host jitter moved its wall time by up to
     # 1.5x between runs of the same code (runs 14-16). The best of the runs and the profile's
     # device time bound it from the host side and the device side.
     res = {"seqs": seqs, "len": length, "layers": cfg.num_hidden_layers, "step_ms": ms, "best_ms": best,
+           "prefill_graphs": graphs,
            "flops": total, "flops_by_part": flops, "achieved_tflops": achieved / 1e12, "matmul_n": n,
            "matmul_tflops": rate / 1e12, "ratio": achieved / rate, "best_ratio": total / (best / 1e3) / rate,
            "device_ratio": total / (prof["device_ms"] / 1e3) / rate if prof["device_ms"] else None, "profile_kernels": prof["kernels"], "profile_device_ms": prof["device_ms"],
@@ -594,7 +600,8 @@ def print_prefill() -> None:
     p = RESULTS.get("prefill")
     if not p:
         return
-    print(f"prefill {p['seqs']} x {p['len']} tokens ({p['layers']} layers, eager): {p['step_ms']:.1f} ms, "
+    mode = "piecewise graphs" if p.get("prefill_graphs") else "eager"
+    print(f"prefill {p['seqs']} x {p['len']} tokens ({p['layers']} layers, {mode}): {p['step_ms']:.1f} ms, "
           f"{p['flops'] / 1e12:.2f} TFLOP -> {p['achieved_tflops']:.0f} TFLOP/s; bf16 matmul {p['matmul_n']}^3: "
           f"{p['matmul_tflops']:.0f} TFLOP/s; achieved / matmul = {p['ratio']:.3f} (target >= 0.40); best of "
           f"the runs {p['best_ms']:.1f} ms ({p['best_ratio']:.3f}); device time alone {p['profile_device_ms']:.1f} ms "

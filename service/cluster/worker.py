@@ -54,6 +54,7 @@ class RankWorker(RankWeights, RankRPC):
         self._probe_results: list[dict] = []
         self._stale: set[str] = set()  # weights discarded by level 2 and not yet reloaded
         self.decode_graphs = None  # CUDA graphs of the decode step (model/cuda_graph.py)
+        self.prefill_graphs = None  # piecewise graphs of the other steps (model/prefill_graphs.py)
         self._epochs_at_sleep: dict | None = None
 
     # ---- setup -----------------------------------------------------------------
@@ -98,6 +99,9 @@ class RankWorker(RankWeights, RankRPC):
             from ..model.cuda_graph import for_worker
 
             self.decode_graphs = for_worker(self.model, self.kv_caches, cfg)
+            from ..model import prefill_graphs
+
+            self.prefill_graphs = prefill_graphs.for_worker(self.model, cfg)
         self.tp.barrier()
         info = {"rank": self.rank, "threads": threads, "seconds": round(time.perf_counter() - t0, 3),
                 "tail": self.tail_summary()}
@@ -246,7 +250,11 @@ class RankWorker(RankWeights, RankRPC):
 
         meta = AttnMetadata.build(chunks, self.config.block_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta, kv_caches)
+        hidden = None
+        if self.prefill_graphs is not None and kv_caches is not None:
+            hidden = self.prefill_graphs.forward(ids, meta, kv_caches)
+        if hidden is None:
+            hidden = self.model(ids, meta, kv_caches)
         if meta.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[meta.logits_indices])

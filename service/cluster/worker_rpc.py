@@ -72,9 +72,11 @@ class RankRPC:
                 "tail": self.tail_summary(), "tail_epochs": self.tail_epochs()}
 
     def rpc_graph_stats(self) -> dict:
-        """Decode CUDA graphs (None: eager) and the device collectives' calls and epochs."""
+        """Decode CUDA graphs and prefill graphs (None: eager), the device collectives' calls and epochs."""
         comm = self.tp.device_comm
+        prefill = self.prefill_graphs
         return {"rank": self.rank, "graphs": self.decode_graphs.stats() if self.decode_graphs is not None else None,
+                "prefill_graphs": prefill.stats() if prefill is not None else None,
                 "device_comm": None if comm is None else {"calls": comm.calls, "epochs": comm.epochs()
                                                           if self._flags_readable() else None}}
 

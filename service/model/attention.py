@@ -63,6 +63,11 @@ def write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) 
         _write_kv(kv_cache, slots, latent)
 
 
+def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """Along the last dim, into `out` when given (no out=None under torch.compile)."""
+    return torch.cat(parts, dim=-1) if out is None else torch.cat(parts, dim=-1, out=out)
+
+
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int]:
     return (num_blocks, block_size, cfg.kv_cache_dim)
 
@@ -243,6 +248,16 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
+        q, latent, gate = self.project(x, cos, sin)
+        return self.output(self.attend(q, latent, meta, kv_cache), gate)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                into: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, H] -> (q [T, heads, qk], latent [T, kv_cache_dim] as the cache holds it, Kimi's
+        output gate [T, heads * v] or None): the per-token part before attention, which depends on
+        the token count only (prefill_graphs.py captures it). `into`: buffers for q and latent."""
+        q_out, latent_out = into if into is not None else (None, None)
         t = x.shape[0]
         if self.q_lora_rank:
             q_a, c_kv, k_pe = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank, self.rope], dim=-1)
@@ -252,11 +267,30 @@ class MLAAttention(nn.Module):
             c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         q = q.view(t, self.num_heads, self.qk_dim)
         if self.use_rope:
-            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], dim=-1)
+            q = _cat([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], q_out)
             k_pe = apply_rope(k_pe, cos, sin, self.interleave)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        elif q_out is not None:
+            q = q_out.copy_(q)
+        latent = _cat([self.kv_a_layernorm(c_kv), k_pe], latent_out)
+        gate = self.g_proj(x).sigmoid() if self.g_proj is not None else None
+        return q, latent, gate
 
-        out = x.new_empty(t, self.num_heads, self.v_dim)
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [T, heads, v] -> [T, H] through the output gate and o_proj."""
+        out = out.reshape(out.shape[0], self.num_heads * self.v_dim)
+        if gate is not None:
+            out = out * gate
+        return self.o_proj(out)
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's attention proper: q [T, heads, qk] over the cached context and this step's
+        latents (written to the cache here) -> [T, heads, v], into `out` when given. It depends on
+        the chunks' lengths and positions, so it always runs eagerly."""
+        t = q.shape[0]
+        given = out is not None
+        if out is None:
+            out = q.new_empty(t, self.num_heads, self.v_dim)
         qsl = meta.query_starts
         if kv_cache is None:
             # Cache-less reference mode: every chunk attends to its own tokens only.
@@ -265,29 +299,27 @@ class MLAAttention(nn.Module):
                     raise ValueError("without a KV cache every chunk must start at position 0")
                 s, e = qsl[i], qsl[i + 1]
                 out[s:e] = self._expanded(q[s:e], latent[s:e], 0)
-        else:
-            if meta.slot_mapping is None:
-                raise ValueError("the chunks' block tables do not cover their context: cannot use the KV cache")
-            writes = self._decode_writes_kv(q, kv_cache, meta)
-            if not writes:
-                write_kv(kv_cache, meta.slot_mapping, latent)
-            if not meta.prefill_chunks:  # decodes only (token i is decode i): no gather, no scatter
-                out = self._absorbed_decode(q, kv_cache, meta, latent if writes else None)
-            elif meta.decode_token_idx.numel():
-                out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
-            groups, others, span = meta.prefill_groups() if meta.prefill_chunks else ([], [], None)
-            if groups:
-                self._whole_prompts(q, latent, kv_cache.dtype, out, groups, span)
-            for i in others:
-                s, e = qsl[i], qsl[i + 1]
-                nblocks = -(-meta.context_lens_list[i] // meta.block_size)
-                ctx = kv_cache[meta.block_tables[i, :nblocks]].view(-1, kv_cache.shape[-1])
-                ctx = ctx[: meta.context_lens_list[i]].to(x.dtype)
-                out[s:e] = self._expanded(q[s:e], ctx, meta.start_positions[i])
-        out = out.reshape(t, self.num_heads * self.v_dim)
-        if self.g_proj is not None:
-            out = out * self.g_proj(x).sigmoid()
-        return self.o_proj(out)
+            return out
+        if meta.slot_mapping is None:
+            raise ValueError("the chunks' block tables do not cover their context: cannot use the KV cache")
+        writes = self._decode_writes_kv(q, kv_cache, meta)
+        if not writes:
+            write_kv(kv_cache, meta.slot_mapping, latent)
+        if not meta.prefill_chunks:  # decodes only (token i is decode i): no gather, no scatter
+            decoded = self._absorbed_decode(q, kv_cache, meta, latent if writes else None)
+            return out.copy_(decoded) if given else decoded
+        if meta.decode_token_idx.numel():
+            out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
+        groups, others, span = meta.prefill_groups()
+        if groups:
+            self._whole_prompts(q, latent, kv_cache.dtype, out, groups, span)
+        for i in others:
+            s, e = qsl[i], qsl[i + 1]
+            nblocks = -(-meta.context_lens_list[i] // meta.block_size)
+            ctx = kv_cache[meta.block_tables[i, :nblocks]].view(-1, kv_cache.shape[-1])
+            ctx = ctx[: meta.context_lens_list[i]].to(q.dtype)
+            out[s:e] = self._expanded(q[s:e], ctx, meta.start_positions[i])
+        return out
 
     def _expanded(self, q: torch.Tensor, latent: torch.Tensor, start: int) -> torch.Tensor:
         """q [n, heads, qk] at positions start.. attend over latent [S = start + n, kv_cache_dim]."""
@@ -341,8 +373,10 @@ class MLAAttention(nn.Module):
             mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
             causal = False
         pad = self.nope + self.rope - self.v_dim
-        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and mask is None and pad > 0:
-            # Flash attention needs v as wide as q/k: zero columns, sliced off after.
+        if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and mask is None and pad > 0
+                and os.environ.get("LATENTSERVE_SDPA_PAD_V", "1") != "0"):
+            # Flash attention needs v as wide as q/k: zero columns, sliced off after. (cuDNN's,
+            # which torch picked on the H200, may not: LATENTSERVE_SDPA_PAD_V=0, a bench variant.)
             v = F.pad(v, (0, pad))
         # 4-D [b, heads, tokens, dim]: SDPA's fused kernels (flash, memory-efficient) take only
         # 4-D inputs; 3-D ones went to its math path, in fp32, 115 of a 188 ms 8 x 1024 prefill

@@ -64,7 +64,11 @@ class DecoderLayer(nn.Module):
         return self.self_attn(x, *rope, meta, cache)
 
     def forward(self, h: torch.Tensor, rope: tuple, meta: AttnMetadata, cache) -> torch.Tensor:
-        h = h + self.attend(self.input_layernorm(h), rope, meta, cache)
+        return self.finish(h, self.attend(self.input_layernorm(h), rope, meta, cache))
+
+    def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: both residual adds and the MLP (or MoE)."""
+        h = h + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_attn_res(self, prefix: torch.Tensor, delta: torch.Tensor | None, bank: torch.Tensor,
@@ -101,14 +105,20 @@ class DecoderModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.output_attn_res_proj = ReplicatedLinear(cfg.hidden_size, 1, dtype)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, caches: list | None) -> torch.Tensor:
-        cfg = self.config
-        if meta.max_position >= cfg.max_position_embeddings:
+    def check(self, meta: AttnMetadata, caches: list | None) -> None:
+        if meta.max_position >= self.config.max_position_embeddings:
             raise ValueError(f"position {meta.max_position} is beyond max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
+                             f"{self.config.max_position_embeddings}")
         if caches is not None and len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} caches for {len(self.layers)} layers")
-        rope = self.rotary_emb.lookup(meta.positions) if self.rotary_emb is not None else (None, None)
+
+    def rope(self, positions: torch.Tensor) -> tuple:
+        return self.rotary_emb.lookup(positions) if self.rotary_emb is not None else (None, None)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, caches: list | None) -> torch.Tensor:
+        cfg = self.config
+        self.check(meta, caches)
+        rope = self.rope(meta.positions)
         h = self.embed_tokens(input_ids)
         cache = (lambda i: caches[i]) if caches is not None else (lambda i: None)
         if not self.attn_res:

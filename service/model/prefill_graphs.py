@@ -1,0 +1,169 @@
+"""Piecewise CUDA graphs of the steps the decode graphs do not take: prefills and mixed steps.
+
+An eager prefill step of `small` (8 x 1024 tokens, 24 layers) launches ~1100 kernels from
+Python; on the H200 its wall time was the host's: 91 ms for 53 ms of device time, and 65-95 ms
+for the same code in three runs (bench/RESULTS.md). Everything in a layer but attention proper
+depends on the step's token count only, so it is captured once per token-count bucket: one
+graph from each layer's attention output to the next layer's attention input (gate and o_proj,
+both residual adds, the MoE or MLP, the next norm and q/kv projections), the first from the
+embedding, the last ending in the final norm. Attention (`MLAAttention.attend`: the KV write,
+the prompts' SDPA, the absorbed decodes), which depends on the chunks' lengths and positions,
+runs eagerly between the replays on the step's real tokens. vLLM's piecewise graphs cut the
+model at the same place.
+
+Rows past the step's tokens, up to the bucket, are padding: whatever token and position the
+buffers last held (valid ones: zeros at first, then an earlier step's). Every captured op is
+row-independent, attention never reads those rows and no cache write covers them.
+
+As with the decode graphs, weights and the KV cache are read at their pool addresses, which
+sleep keeps, and activations live in a private graph pool. The pieces hand attention its q and
+latent through static buffers shared by every layer and bucket, so a bucket's graphs hold only
+one layer's activations at a time. TP 1, MLA layers without attention residuals; other models,
+and any capture that fails, run eagerly (logged). LATENTSERVE_PREFILL_GRAPHS=0 runs every step
+eagerly (read per step: the bench's baseline).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..log import get_logger
+from .attention import AttnMetadata, MLAAttention
+
+log = get_logger("prefill_graphs")
+
+SMALL_SIZES = (64, 128, 256, 512)  # then multiples of STEP up to max_num_batched_tokens
+STEP = 512
+
+
+def default_sizes(max_tokens: int) -> list[int]:
+    """Buckets for steps of up to max_tokens tokens: padding is at most 2x below 512 tokens and
+    under 512 rows above."""
+    sizes = [s for s in SMALL_SIZES if s < max_tokens]
+    sizes += list(range(STEP, max_tokens + STEP - 1, STEP))
+    return sorted(set(sizes))
+
+
+def enabled() -> bool:
+    return os.environ.get("LATENTSERVE_PREFILL_GRAPHS", "1") != "0"
+
+
+def unsupported_reason(model) -> str | None:
+    if not model.model.norm.weight.is_cuda:
+        return "not on CUDA"
+    if model.tp.world_size != 1:
+        return "TP > 1: the pieces' collectives are not captured for prefill-sized steps yet"
+    if model.model.attn_res:
+        return "attention residuals mix layers' outputs outside the layer pieces"
+    if not all(isinstance(layer.self_attn, MLAAttention) for layer in model.layers):
+        return "KDA layers keep per-sequence state the pieces would need to carry"
+    return None
+
+
+class PrefillGraphs:
+    """Captures at construction; `forward(ids, meta, caches)` returns the final hidden states
+    [T, H] (a view of a buffer the next step overwrites), or None when the step has more tokens
+    than the largest bucket or the switch is off."""
+
+    def __init__(self, model, sizes: list[int]):
+        self.model = model
+        self.sizes = sorted(set(int(s) for s in sizes))
+        n = self.sizes[-1]
+        w = model.model.norm.weight
+        attn: MLAAttention = model.layers[0].self_attn
+        self.ids = torch.zeros(n, dtype=torch.long, device=w.device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=w.device)
+        self.q = torch.zeros(n, attn.num_heads, attn.qk_dim, dtype=w.dtype, device=w.device)
+        self.latent = torch.zeros(n, attn.kv_lora_rank + attn.rope, dtype=w.dtype, device=w.device)
+        self.out = torch.zeros(n, attn.num_heads, attn.v_dim, dtype=w.dtype, device=w.device)
+        self.hidden = torch.zeros(n, w.shape[0], dtype=w.dtype, device=w.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._ropes: dict[int, tuple] = {}  # each bucket's cos/sin, read by all its graphs
+        self.replays = 0
+        self._capture()
+
+    def _piece(self, k: int, b: int, state: dict) -> dict:
+        """Piece k of bucket b: layer k-1 after its attention (none for k = 0: the embedding),
+        then layer k up to its attention (none for the last: the final norm)."""
+        m, layers = self.model.model, self.model.layers
+        if k == 0:
+            h = m.embed_tokens(self.ids[:b])
+            rope = m.rope(self.positions[:b])
+        else:
+            prev = layers[k - 1]
+            h = prev.finish(state["h"], prev.self_attn.output(self.out[:b], state["gate"]))
+            rope = state["rope"]
+        if k == len(layers):
+            self.hidden[:b].copy_(m.norm(h))
+            return {}
+        layer = layers[k]
+        _, _, gate = layer.self_attn.project(layer.input_layernorm(h), *rope, into=(self.q[:b], self.latent[:b]))
+        return {"h": h, "gate": gate, "rope": rope}
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pieces = len(self.model.layers) + 1
+        for b in reversed(self.sizes):  # largest first: the smaller buckets reuse its pool memory
+            side = torch.cuda.Stream()  # warm-up: Triton compiles, cuBLAS plans, kernel guards verify
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                state: dict = {}
+                for k in range(pieces):
+                    state = self._piece(k, b, state)
+            torch.cuda.current_stream().wait_stream(side)
+            graphs, state = [], {}
+            for k in range(pieces):
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: other engines' threads in this process may touch CUDA meanwhile.
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    new = self._piece(k, b, state)
+                if k == 0:
+                    self._ropes[b] = new["rope"]
+                graphs.append(graph)
+                state = new  # the previous piece's h and gate are free once this one holds them
+            self.graphs[b] = graphs
+        torch.cuda.synchronize()
+
+    def bucket(self, tokens: int) -> int | None:
+        return next((s for s in self.sizes if s >= tokens), None)
+
+    def forward(self, ids: torch.Tensor, meta: AttnMetadata, caches: list) -> torch.Tensor | None:
+        t = ids.shape[0]
+        b = self.bucket(t)
+        if b is None or not enabled():
+            return None
+        self.model.model.check(meta, caches)
+        self.ids[:t].copy_(ids)
+        self.positions[:t].copy_(meta.positions)
+        graphs = self.graphs[b]
+        for k, layer in enumerate(self.model.layers):
+            graphs[k].replay()
+            layer.self_attn.attend(self.q[:t], self.latent[:t], meta, caches[k], out=self.out[:t])
+        graphs[-1].replay()
+        self.replays += 1
+        return self.hidden[:t]
+
+    def stats(self) -> dict:
+        return {"token_sizes": self.sizes, "graphs": sum(len(g) for g in self.graphs.values()),
+                "replays": self.replays}
+
+
+def for_worker(model, config) -> PrefillGraphs | None:
+    """The worker's prefill graphs, or None (logged) when they are off or cannot run."""
+    if config.enforce_eager or not str(config.device).startswith("cuda") or not enabled():
+        return None
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.warning("prefill_graphs_off", reason=reason)
+        return None
+    sizes = default_sizes(config.max_num_batched_tokens)
+    try:
+        graphs = PrefillGraphs(model, sizes)
+    except Exception as e:  # serve eagerly rather than not at all
+        log.error("prefill_graph_capture_failed", error=f"{type(e).__name__}: {e}"[:1200])
+        return None
+    log.info("prefill_graphs_captured", **graphs.stats())
+    return graphs
