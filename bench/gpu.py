@@ -539,7 +539,7 @@ PREFILL_VARIANTS = {
     "torch_grouped_moe": {"LATENTSERVE_MOE_GROUPED_MAX_TOKENS": "1024"},  # default: the Triton kernels at every size
     "triton_router": {"LATENTSERVE_ROUTE_MAX_TOKENS": "1000000000"},  # default: cuBLAS logits + the select kernel
     "torch_topk": {"LATENTSERVE_ROUTE_SELECT": "0"},  # cuBLAS logits + the torch chain (three top-k's)
-    "unpadded_v": {"LATENTSERVE_SDPA_PAD_V": "0"},  # a candidate: SDPA on v without flash's zero columns
+    "padded_v": {"LATENTSERVE_SDPA_PAD_V": "1"},  # default: cuDNN's SDPA on v without flash's zero columns
 }
 
 

@@ -30,7 +30,9 @@ import os
 import torch
 
 from ..log import get_logger
+from . import moe_grouped
 from .attention import AttnMetadata, MLAAttention
+from .moe import grouped_mm_fast
 
 log = get_logger("prefill_graphs")
 
@@ -59,6 +61,14 @@ def unsupported_reason(model) -> str | None:
         return "attention residuals mix layers' outputs outside the layer pieces"
     if not all(isinstance(layer.self_attn, MLAAttention) for layer in model.layers):
         return "KDA layers keep per-sequence state the pieces would need to carry"
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None or experts.w13_scale_inv is not None:
+            continue
+        probe = experts.w13.new_empty(SMALL_SIZES[0], experts.w13.shape[-1])
+        if not (moe_grouped.supported(probe, experts.w13, experts.w2, experts.act_name) or grouped_mm_fast(probe)):
+            # e.g. fp32: the per-expert loop reads its plan on the host, which a capture cannot
+            return f"no graph-safe grouped MoE for {probe.dtype} (Triton's or torch._grouped_mm's)"
     return None
 
 

@@ -3,6 +3,8 @@
 The math path (fp32, 3-D inputs took it) was 115 of 188 ms of an 8 x 1024 prefill on the H200.
 Forcing one backend makes SDPA raise where it cannot run, so these fail if the inputs' shape
 or layout ever send prefill back to the math path. Values against an fp32 softmax reference.
+Causal prompts run on cuDNN's kernel with v unpadded (attention._cudnn_causal); flash, with v
+padded to q's width, is the fallback (LATENTSERVE_SDPA_PAD_V=1), tested here too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ if not torch.cuda.is_available():
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from service.config import resolve_model  # noqa: E402
+from service.model import attention  # noqa: E402
 from service.model.attention import MLAAttention  # noqa: E402
 from service.parallel import TPGroup  # noqa: E402
 
@@ -35,7 +38,8 @@ def reference(attn: MLAAttention, q: torch.Tensor, latent: torch.Tensor, start: 
 
 @pytest.mark.parametrize("n,start,backend", [(1024, 0, SDPBackend.FLASH_ATTENTION),
                                              (256, 512, SDPBackend.EFFICIENT_ATTENTION)])
-def test_prefill_attention_runs_fused(n, start, backend):
+def test_prefill_attention_runs_fused(n, start, backend, monkeypatch):
+    monkeypatch.setenv("LATENTSERVE_SDPA_PAD_V", "1")
     cfg, _ = resolve_model("small")
     torch.manual_seed(0)
     attn = MLAAttention(cfg, TPGroup.single(), 0, torch.bfloat16).cuda()
@@ -51,9 +55,12 @@ def test_prefill_attention_runs_fused(n, start, backend):
     assert err < 0.03 * want.abs().max().item() + 1e-2, err
 
 
-def test_prompts_batched_by_length_run_fused():
+@pytest.mark.parametrize("pad_v", ["1", "0"])
+def test_prompts_batched_by_length_run_fused(pad_v, monkeypatch):
     """Whole prompts of one length attend as one batch [n, heads, len, dim] (_whole_prompts):
-    on flash attention too, as views of the step's back-to-back tokens."""
+    on flash attention with v padded, and on cuDNN's with v as it is (the default), as views of
+    the step's back-to-back tokens."""
+    monkeypatch.setenv("LATENTSERVE_SDPA_PAD_V", pad_v)
     cfg, _ = resolve_model("small")
     torch.manual_seed(0)
     attn = MLAAttention(cfg, TPGroup.single(), 0, torch.bfloat16).cuda()
@@ -64,8 +71,11 @@ def test_prompts_batched_by_length_run_fused():
         latent = torch.randn(n * length, cfg.kv_cache_dim, device="cuda", dtype=torch.bfloat16)
         k, v = attn._keys_values(latent)
         shape = (n, length, attn.num_heads)
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # the cuDNN path picks its own backend inside
             out = attn._attend(q.view(*shape, -1), k.view(*shape, -1), v.reshape(*shape, -1), 0)
+        if pad_v == "0":
+            assert attention._CUDNN.failure is None, f"cuDNN attention is off: {attention._CUDNN.failure}"
+            assert str(attention._cudnn_causal) in attention._CUDNN._verified
         for i in (0, n - 1):
             s = slice(i * length, (i + 1) * length)
             want = reference(attn, q[s], latent[s], 0)
