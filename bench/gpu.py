@@ -165,6 +165,17 @@ def decode_chunks(batch: int, context: int, block_size: int, token: int = 5) -> 
             for i in range(batch)]
 
 
+@contextlib.contextmanager
+def eager(worker):
+    """The worker's steps without any CUDA graph (decode or prefill graphs) inside the block."""
+    saved = worker.decode_graphs, worker.prefill_graphs
+    worker.decode_graphs = worker.prefill_graphs = None
+    try:
+        yield
+    finally:
+        worker.decode_graphs, worker.prefill_graphs = saved
+
+
 def active_expert_bytes(worker, chunks) -> tuple[int, int]:
     """(bytes of the routed experts this step's tokens chose, summed over layers; layers)."""
     from service.model.moe import FusedExperts
@@ -173,11 +184,10 @@ def active_expert_bytes(worker, chunks) -> tuple[int, int]:
     hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(
         int(args[2].unique().numel()) * (mod.w13[0].numel() + mod.w2[0].numel()) * mod.w2.element_size()))
         for m in worker.model.modules() if isinstance(m, FusedExperts)]
-    graphs, worker.decode_graphs = worker.decode_graphs, None
     try:
-        worker.execute(StepPlan(chunks))
+        with eager(worker):  # hooks do not fire inside graph replays
+            worker.execute(StepPlan(chunks))
     finally:
-        worker.decode_graphs = graphs
         for h in hooks:
             h.remove()
     return sum(seen), len(seen)
@@ -211,16 +221,13 @@ def step_floor_bytes(worker, chunks) -> dict:
 def profile_eager_step(worker, chunks, device: str, top: int = 12) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    graphs, worker.decode_graphs = worker.decode_graphs, None
-    try:
+    with eager(worker):
         plan = StepPlan(chunks)
         worker.execute(plan)
         sync(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             worker.execute(plan)
             sync(device)
-    finally:
-        worker.decode_graphs = graphs
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     kernel_us = sum(e.time_range.elapsed_us() for e in events)
     table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=60)
@@ -298,12 +305,9 @@ def bench_k3_graphs(args, bw: float) -> None:
             if graphs is not None:
                 worker.execute(plan)
                 graph_ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
-            worker.decode_graphs = None
-            try:
+            with eager(worker):
                 worker.execute(plan)
                 eager_ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
-            finally:
-                worker.decode_graphs = graphs
         row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": graph_ms, "eager_ms": eager_ms,
                "speedup": eager_ms / graph_ms, "floor_fraction": need / bw * 1e3 / min(graph_ms, eager_ms)}
         rows.append(row)
@@ -409,11 +413,8 @@ def bench_decode(args, bw: float) -> LLM:
                     print(f"graph replay, batch {batch}: {prof['kernels']} kernels "
                           f"({prof['kernels_per_layer']:.1f} per layer), {prof['device_ms']:.2f} ms of device "
                           f"time\n{prof['table']}", flush=True)
-            graphs_saved, worker.decode_graphs = worker.decode_graphs, None
-            try:
+            with eager(worker):
                 row["eager_ms"] = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
-            finally:
-                worker.decode_graphs = graphs_saved
         best = row.get("graph_ms", row["eager_ms"])
         row["floor_fraction"] = row["floor_ms"] / best
         rows.append(row)
