@@ -63,13 +63,19 @@ class DecoderLayer(nn.Module):
             return self.self_attn(x, meta, cache)
         return self.self_attn(x, *rope, meta, cache)
 
-    def forward(self, h: torch.Tensor, rope: tuple, meta: AttnMetadata, cache) -> torch.Tensor:
-        return self.finish(h, self.attend(self.input_layernorm(h), rope, meta, cache))
+    def forward(self, h: torch.Tensor, rope: tuple, meta: AttnMetadata, cache,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (h, pending): the residual stream and this layer's MLP output, not yet added to
+        it. The next layer (or the final norm) adds it, in the kernel of its input norm when layers
+        are compiled: one launch a layer fewer than an add of its own (as vLLM's fused add-norm)."""
+        if pending is not None:
+            h = h + pending
+        return self.after_attention(h, self.attend(self.input_layernorm(h), rope, meta, cache))
 
-    def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The layer after attention: both residual adds and the MLP (or MoE)."""
+    def after_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output's residual add, then the MLP (or MoE): (h, MLP output)."""
         h = h + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h, self.mlp(self.post_attention_layernorm(h))
 
     def forward_attn_res(self, prefix: torch.Tensor, delta: torch.Tensor | None, bank: torch.Tensor,
                          rope: tuple, meta: AttnMetadata, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +128,10 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cache = (lambda i: caches[i]) if caches is not None else (lambda i: None)
         if not self.attn_res:
+            pending = None
             for i, layer in enumerate(self.layers):
-                h = layer(h, rope, meta, cache(i))
-            return self.norm(h)
+                h, pending = layer(h, rope, meta, cache(i), pending)
+            return self.norm(h, add=pending)
         bs = cfg.attn_res_block_size
         num_blocks = -(-cfg.num_hidden_layers // bs)
         bank = h.new_empty(h.shape[0], num_blocks, h.shape[1])

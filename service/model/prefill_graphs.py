@@ -104,7 +104,8 @@ class PrefillGraphs:
             rope = m.rope(self.positions[:b])
         else:
             prev = layers[k - 1]
-            h = prev.finish(state["h"], prev.self_attn.output(self.out[:b], state["gate"]))
+            h, pending = prev.after_attention(state["h"], prev.self_attn.output(self.out[:b], state["gate"]))
+            h = h + pending
             rope = state["rope"]
         if k == len(layers):
             self.hidden[:b].copy_(m.norm(h))
