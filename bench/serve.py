@@ -190,29 +190,41 @@ def step_phases(before: dict, after: dict) -> dict:
     steps = after["steps"] - before["steps"]
     out = {"steps": steps, "kinds": {k: after["step_kinds"][k] - before["step_kinds"].get(k, 0)
                                      for k in after.get("step_kinds", {})}}
-    if after.get("graph_replays") is not None:
-        out["graph_replays"] = after["graph_replays"] - before["graph_replays"]
+    for key in ("graph_replays", "prefill_replays"):
+        if after.get(key) is not None:
+            out[key] = after[key] - before[key]
     for k, v in after.get("step_seconds", {}).items():
         out[f"{k}_ms"] = (v - before["step_seconds"].get(k, 0.0)) / max(1, steps) * 1e3
+    # Mean execute ms per step of each kind in the window; the longest is over the engine's life.
+    for k, v in after.get("execute_seconds_by_kind", {}).items():
+        n = out["kinds"].get(k, 0)
+        if n:
+            total = v["total"] - before.get("execute_seconds_by_kind", {}).get(k, {}).get("total", 0.0)
+            out[f"execute_{k}_ms"] = total / n * 1e3
+            out[f"execute_{k}_max_ms"] = v["max"] * 1e3
     return out
 
 
-def replays(graph_stats: list[dict]) -> int | None:
-    graphs = graph_stats[0].get("graphs") if graph_stats else None
+def replays(graph_stats: list[dict], which: str = "graphs") -> int | None:
+    """Rank 0's replays of its decode graphs (`graphs`) or prefill graphs (`prefill_graphs`)."""
+    graphs = graph_stats[0].get(which) if graph_stats else None
     return None if graphs is None else graphs["replays"]
 
 
 def engine_stats(url: str, key: str | None) -> dict | None:
     try:
         with Client(url, key) as c:
-            return {**c.status()["engine"], "graph_replays": replays(c.collective_rpc("graph_stats", ranks=[0]))}
+            graphs = c.collective_rpc("graph_stats", ranks=[0])
+            return {**c.status()["engine"], "graph_replays": replays(graphs),
+                    "prefill_replays": replays(graphs, "prefill_graphs")}
     except Exception:  # noqa: BLE001 - an external server without an admin key: no step phases
         return None
 
 
 def offline_stats(llm) -> dict:
-    return {**llm.executor.rank0_call("engine_stats", timeout=30.0),
-            "graph_replays": replays(llm.collective_rpc("graph_stats"))}
+    graphs = llm.collective_rpc("graph_stats")
+    return {**llm.executor.rank0_call("engine_stats", timeout=30.0), "graph_replays": replays(graphs),
+            "prefill_replays": replays(graphs, "prefill_graphs")}
 
 
 # ---- the same engine offline -----------------------------------------------------------------------

@@ -134,7 +134,13 @@ def test_continuous_batching_matches_solo_runs(solo_outputs):
         assert all(c.finish_reason == "length" for c in got.outputs)
     # n=2 with one seed: the two samples use seed and seed + 1, so they differ.
     assert final["r4"].outputs[0].token_ids != final["r4"].outputs[1].token_ids
-    assert engine.stats()["free_blocks"] == 64
+    stats = engine.stats()
+    assert stats["free_blocks"] == 64
+    # Execute time by step kind: every kind that ran has a total no smaller than its longest step.
+    by_kind = stats["execute_seconds_by_kind"]
+    for kind, n in stats["step_kinds"].items():
+        assert (by_kind[kind]["total"] >= by_kind[kind]["max"] > 0) if n else by_kind[kind]["total"] == 0, kind
+    assert stats["step_kinds"]["mixed"] > 0
 
 
 def test_preemption_by_recompute_completes_identically(solo_outputs):

@@ -83,6 +83,9 @@ class LLMEngine:
         # step's graph takes 5 ms; these say what the rest of a served step costs.
         self.step_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
         self.step_kinds = dict.fromkeys(("decode", "prefill", "mixed"), 0)
+        # Execute seconds by step kind, summed and the longest: a mean over all steps hid that
+        # served prefill and mixed steps each took ~0.4 s on the H200 (bench/RESULTS.md, run 20).
+        self.execute_by_kind = {k: [0.0, 0.0] for k in self.step_kinds}
         # request id -> whether anyone reads its outputs before it finishes (a stream); None: all.
         # The engine loop's blocking generate() waits for final outputs only, so per-step
         # RequestOutputs of its requests (token lists copied every step) are not built.
@@ -182,7 +185,7 @@ class LLMEngine:
             self.step_kinds[kind] += 1
             self.step_seconds["schedule"] += time.perf_counter() - t0
             try:
-                sampled, nan_rows = self._run(batch)
+                sampled, nan_rows = self._run(batch, kind)
             except Exception as exc:  # any executor failure ends the running requests, not the engine
                 self.num_failed_steps += 1
                 log.error("model execution failed", exc_info=exc)
@@ -258,18 +261,23 @@ class LLMEngine:
                 "failed_steps": self.num_failed_steps,
                 "step_kinds": dict(self.step_kinds),
                 "step_seconds": {k: round(v, 6) for k, v in self.step_seconds.items()},
+                "execute_seconds_by_kind": {k: {"total": round(t, 6), "max": round(m, 6)}
+                                            for k, (t, m) in self.execute_by_kind.items()},
                 "weight_version": self.weight_version,
                 "tokenizer": None if self.tokenizer is None else "loaded",
                 "note": NO_TOKENIZER_NOTE if self.tokenizer is None else None,
             }
 
     # ---- internals ----------------------------------------------------------------
-    def _run(self, batch: ScheduledBatch) -> tuple[SamplerOutput, set[int]]:
+    def _run(self, batch: ScheduledBatch, kind: str) -> tuple[SamplerOutput, set[int]]:
         rows = batch.sampled_seqs
         t0 = time.perf_counter()
         logits = self.execute(batch.plan)
         t1 = time.perf_counter()
         self.step_seconds["execute"] += t1 - t0
+        by_kind = self.execute_by_kind[kind]
+        by_kind[0] += t1 - t0
+        by_kind[1] = max(by_kind[1], t1 - t0)
         if logits is None and not rows:  # a step of partial prefill chunks only: nothing to sample
             return SamplerOutput([], []), set()
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(rows):
