@@ -102,6 +102,7 @@ class RankWorker(RankWeights, RankRPC):
             from ..model import prefill_graphs
 
             self.prefill_graphs = prefill_graphs.for_worker(self.model, cfg)
+            prefill_graphs.warm_up_mixed_steps(self.execute, cfg)
         self.tp.barrier()
         info = {"rank": self.rank, "threads": threads, "seconds": round(time.perf_counter() - t0, 3),
                 "tail": self.tail_summary()}

@@ -59,10 +59,14 @@ def _programs(batch: int, num_heads: int) -> int:
 
 
 def num_splits(batch: int, num_heads: int) -> int:
+    """A power of 2: the split count is a constexpr of both kernels, so each distinct count is a
+    compile (~a second). The decode graphs' batches (powers of 2) meet 32, 16, 8, 4 and 1, and any
+    other batch (a mixed step's decodes) now reuses one of those, not a count of its own."""
     programs = _programs(batch, num_heads)
     if programs >= ONE_SPLIT_PROGRAMS:
         return 1
-    return max(MIN_SPLITS, min(MAX_SPLITS, SPLIT_PROGRAMS // programs))
+    splits = max(MIN_SPLITS, min(MAX_SPLITS, SPLIT_PROGRAMS // programs))
+    return 1 << (splits.bit_length() - 1)
 
 
 def launch_config(batch: int, num_heads: int) -> dict:

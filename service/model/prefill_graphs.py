@@ -26,6 +26,7 @@ eagerly (read per step: the bench's baseline).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -178,3 +179,25 @@ def for_worker(model, config) -> PrefillGraphs | None:
         return None
     log.info("prefill_graphs_captured", **graphs.stats())
     return graphs
+
+
+def warm_up_mixed_steps(execute, config) -> None:
+    """One mixed step (decodes beside a prompt) at each decode graph batch size, all of it in the
+    scratch KV block and state row, so Triton compiles at startup what only mixed steps run: the
+    MLA decode kernel that leaves the KV write to write_kv, the absorb kernels on gathered rows.
+    Each is a compile of ~a second at its first use, which a request would otherwise wait for.
+    `execute(plan)` is the worker's; every rank runs the same steps (their collectives match)."""
+    from ..engine.plan import SeqChunk, StepPlan
+    from .cuda_graph import scratch_indices
+
+    block, row = scratch_indices(config)
+    sizes = sorted({b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs} | {1})
+    t0 = time.perf_counter()
+    for b in sizes:
+        chunks = [SeqChunk(-1, [0], 0, [block], state_slot=row) for _ in range(b)]
+        chunks.append(SeqChunk(-2, [0] * config.block_size, 0, [block], state_slot=row))
+        execute(StepPlan(chunks))
+    if str(config.device).startswith("cuda"):
+        torch.cuda.synchronize()
+    log.info("mixed_steps_warmed_up", batch_sizes=sizes, seconds=round(time.perf_counter() - t0, 2))
+

@@ -82,3 +82,7 @@ def test_split_count_depends_on_batch_only():
     assert mla_decode.num_splits(256, 16) == 1
     assert mla_decode.num_splits(512, 128) == 1
     assert mla_decode.launch_config(1, 16) != mla_decode.launch_config(64, 16)
+    # Any batch takes a power-of-2 count (each count is a compile of its own): a mixed step's
+    # 5, 13 or 40 decodes reuse what the decode graphs' batches compiled.
+    counts = {mla_decode.num_splits(b, 16) for b in range(1, 300)}
+    assert counts == {32, 16, 8, 4, 1}, counts
