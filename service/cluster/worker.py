@@ -102,7 +102,10 @@ class RankWorker(RankWeights, RankRPC):
             from ..model import prefill_graphs
 
             self.prefill_graphs = prefill_graphs.for_worker(self.model, cfg)
-            prefill_graphs.warm_up_mixed_steps(self.execute, cfg)
+            try:
+                prefill_graphs.warm_up_mixed_steps(self.execute, cfg)
+            except Exception as e:  # an optimization: serve without it rather than not at all
+                log.error("mixed_step_warm_up_failed", error=f"{type(e).__name__}: {e}"[:800])
         self.tp.barrier()
         info = {"rank": self.rank, "threads": threads, "seconds": round(time.perf_counter() - t0, 3),
                 "tail": self.tail_summary()}
