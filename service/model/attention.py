@@ -261,15 +261,16 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
-        q, latent, gate = self.project(x, cos, sin)
-        return self.output(self.attend(q, latent, meta, kv_cache), gate)
+        inputs, gate = self.project(x, cos, sin)
+        return self.output(self.attend(*inputs, meta, kv_cache), gate)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 into: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [T, H] -> (q [T, heads, qk], latent [T, kv_cache_dim] as the cache holds it, Kimi's
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """x [T, H] -> ((q [T, heads, qk], latent [T, kv_cache_dim] as the cache holds it), Kimi's
         output gate [T, heads * v] or None): the per-token part before attention, which depends on
-        the token count only (prefill_graphs.py captures it). `into`: buffers for q and latent."""
+        the token count only (prefill_graphs.py captures it). `into`: buffers for q and latent
+        (`step_buffers`)."""
         q_out, latent_out = into if into is not None else (None, None)
         t = x.shape[0]
         if self.q_lora_rank:
@@ -286,7 +287,13 @@ class MLAAttention(nn.Module):
             q = q_out.copy_(q)
         latent = _cat([self.kv_a_layernorm(c_kv), k_pe], latent_out)
         gate = self.g_proj(x).sigmoid() if self.g_proj is not None else None
-        return q, latent, gate
+        return (q, latent), gate
+
+    def step_buffers(self, n: int, dtype: torch.dtype, device) -> tuple[tuple, torch.Tensor]:
+        """Zeroed buffers for `project`'s attention inputs and `attend`'s output, n rows."""
+        inputs = (torch.zeros(n, self.num_heads, self.qk_dim, dtype=dtype, device=device),
+                  torch.zeros(n, self.kv_lora_rank + self.rope, dtype=dtype, device=device))
+        return inputs, torch.zeros(n, self.num_heads, self.v_dim, dtype=dtype, device=device)
 
     def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Attention output [T, heads, v] -> [T, H] through the output gate and o_proj."""

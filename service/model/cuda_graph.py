@@ -230,8 +230,9 @@ class DecodeGraphs:
                 torch._dynamo.mark_static(t)
         layers = self.model.layers
         if self.model.model.attn_res:
-            # Attention-residual layers run through forward_attn_res, a method, not the module's
-            # call: compile their attention and MLP modules instead (the mixes stay eager).
+            # Attention-residual layers: their attention and MLP modules are compiled, the mixes
+            # (each its own fused chain) stay out, as measured; a whole layer would also trace the
+            # mix's in-place write of the bank, an input.
             layers = [m for layer in layers for m in (layer.self_attn, layer.mlp)]
         return fusion.compiled_calls(layers, self.compiled)
 

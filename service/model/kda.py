@@ -204,16 +204,44 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> torch.Tensor:
+        inputs, gate = self.project(x)
+        return self.output(self.attend(*inputs, meta, state), gate)
+
+    def project(self, x: torch.Tensor, into: tuple | None = None) -> tuple[tuple, torch.Tensor]:
+        """x [T, H] -> ((pre-conv q|k|v [T, 3 * heads * d], raw gate [T, heads, d], raw beta
+        [T, heads]), output gate [T, heads * d]): the per-token part before the recurrence, which
+        depends on the token count only (prefill_graphs.py captures it). `into`: buffers for the
+        first three (`step_buffers`)."""
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
-        if state is None and any(p != 0 for p in meta.start_positions):
-            raise ValueError("without a KDA state cache every chunk must start at position 0")
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # pre-conv q|k|v
+        parts = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        mixed = torch.cat(parts, dim=-1) if into is None else torch.cat(parts, dim=-1, out=into[0])
         raw_g = self.f_b_proj(self.f_a_proj(x)).view(t, heads, d)
         raw_beta = self.b_proj(x)
+        if into is not None:
+            raw_g, raw_beta = into[1].copy_(raw_g), into[2].copy_(raw_beta)
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        use_fla = self._use_fla(x)
+        return (mixed, raw_g, raw_beta), gate
 
-        core = x.new_empty(t, heads, d)
+    def step_buffers(self, n: int, dtype: torch.dtype, device) -> tuple[tuple, torch.Tensor]:
+        """Zeroed buffers for `project`'s attention inputs and `attend`'s output, n rows."""
+        heads, d = self.num_heads, self.head_dim
+        inputs = (torch.zeros(n, 3 * heads * d, dtype=dtype, device=device),
+                  torch.zeros(n, heads, d, dtype=dtype, device=device), torch.zeros(n, heads, dtype=dtype, device=device))
+        return inputs, torch.zeros(n, heads, d, dtype=dtype, device=device)
+
+    def output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        t, heads, d = core.shape
+        return self.o_proj(self.o_norm(core, gate.view(t, heads, d)).view(t, heads * d))
+
+    def attend(self, mixed: torch.Tensor, raw_g: torch.Tensor, raw_beta: torch.Tensor, meta: AttnMetadata,
+               state: KDAState | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The short convs and the delta-rule recurrence over the chunks, from and into their state
+        rows -> core [T, heads, d] (into `out` when given). Always eager: it depends on the chunks."""
+        t, heads, d = mixed.shape[0], self.num_heads, self.head_dim
+        if state is None and any(p != 0 for p in meta.start_positions):
+            raise ValueError("without a KDA state cache every chunk must start at position 0")
+        use_fla = self._use_fla(mixed)
+        core = mixed.new_empty(t, heads, d) if out is None else out
         if state is None:
             prefills = list(range(len(meta.query_lens)))  # cache-less: one-token chunks too start from zeros
         else:
@@ -224,8 +252,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
                 self._decode(mixed, raw_g, raw_beta, meta, state, core, use_fla)
         if prefills:
             self._prefill(prefills, mixed, raw_g, raw_beta, meta, state, core, use_fla)
-        out = self.o_norm(core, gate.view(t, heads, d))
-        return self.o_proj(out.view(t, heads * d))
+        return core
 
     def _use_fla(self, x: torch.Tensor) -> bool:
         if self.backend == "torch" or not x.is_cuda:

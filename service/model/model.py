@@ -48,7 +48,8 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg, cfg.intermediate_size, tp, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.attn_res_block_size is not None:
+        self.attn_res = cfg.attn_res_block_size is not None
+        if self.attn_res:
             bs, h = cfg.attn_res_block_size, cfg.hidden_size
             # Layers 0, bs, 2bs, ... close the running block: its sum joins the bank as a source.
             self.block_write = layer_idx // bs if layer_idx % bs == 0 else -1
@@ -63,33 +64,48 @@ class DecoderLayer(nn.Module):
             return self.self_attn(x, meta, cache)
         return self.self_attn(x, *rope, meta, cache)
 
+    def project(self, x: torch.Tensor, rope: tuple, into: tuple | None = None) -> tuple[tuple, torch.Tensor | None]:
+        """Attention's per-token part: (its inputs, the output gate), for `self_attn.attend` and
+        `self_attn.output` (prefill_graphs.py runs the three apart)."""
+        if self.is_kda:
+            return self.self_attn.project(x, into)
+        return self.self_attn.project(x, *rope, into=into)
+
     def forward(self, h: torch.Tensor, rope: tuple, meta: AttnMetadata, cache,
-                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (h, pending): the residual stream and this layer's MLP output, not yet added to
-        it. The next layer (or the final norm) adds it, in the kernel of its input norm when layers
-        are compiled: one launch a layer fewer than an add of its own (as vLLM's fused add-norm)."""
+                pending: torch.Tensor | None = None, bank: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, pending) -> (h, pending): the residual stream and the last sublayer's output, not
+        yet added to it. The next layer (or the final norm) adds it, in the kernel of its input
+        norm when layers are compiled: one launch a layer fewer than an add of its own (as vLLM's
+        fused add-norm). With attention residuals they are the running block sum and its next
+        term, and `bank` holds the finished blocks."""
+        h, x = self.enter(h, pending, bank)
+        return self.leave(h, self.attend(x, rope, meta, cache), bank)
+
+    def enter(self, h: torch.Tensor, pending: torch.Tensor | None, bank: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream with `pending` added, and attention's input."""
+        if self.attn_res:
+            # Each sublayer's input is a learned softmax mix of the bank's block sums and the
+            # running block sum (attn_res.py); layer 0, bs, 2bs, ... closes the running block.
+            return attn_res_mix(h, pending, bank, self.prev_blocks, self.self_attention_res_norm,
+                                self.self_attention_res_proj, self.input_layernorm, write_block=self.block_write)
         if pending is not None:
             h = h + pending
-        return self.after_attention(h, self.attend(self.input_layernorm(h), rope, meta, cache))
+        return h, self.input_layernorm(h)
 
-    def after_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output's residual add, then the MLP (or MoE): (h, MLP output)."""
+    def leave(self, h: torch.Tensor, attn_out: torch.Tensor, bank: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After attention: its output into the stream, then the MLP (or MoE), whose output is the
+        new `pending`."""
+        if self.attn_res:
+            if self.block_write >= 0:  # a new block starts with this attention output
+                h, attn_out = attn_out, None
+            h, x = attn_res_mix(h, attn_out, bank, self.prev_blocks + (self.block_write >= 0), self.mlp_res_norm,
+                                self.mlp_res_proj, self.post_attention_layernorm)
+            return h, self.mlp(x)
         h = h + attn_out
         return h, self.mlp(self.post_attention_layernorm(h))
-
-    def forward_attn_res(self, prefix: torch.Tensor, delta: torch.Tensor | None, bank: torch.Tensor,
-                         rope: tuple, meta: AttnMetadata, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention residuals: each sublayer's input is a learned softmax mix of the bank's block
-        sums and the running block sum `prefix` (plus `delta`, the last sublayer's output, not yet
-        added). Returns (prefix, delta) for the next layer."""
-        prefix, x = attn_res_mix(prefix, delta, bank, self.prev_blocks, self.self_attention_res_norm,
-                                 self.self_attention_res_proj, self.input_layernorm, write_block=self.block_write)
-        a = self.attend(x, rope, meta, cache)
-        if self.block_write >= 0:  # a new block starts with this attention output
-            prefix, a = a, None
-        prefix, x = attn_res_mix(prefix, a, bank, self.prev_blocks + (self.block_write >= 0), self.mlp_res_norm,
-                                 self.mlp_res_proj, self.post_attention_layernorm)
-        return prefix, self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -122,23 +138,27 @@ class DecoderModel(nn.Module):
         return self.rotary_emb.lookup(positions) if self.rotary_emb is not None else (None, None)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, caches: list | None) -> torch.Tensor:
-        cfg = self.config
         self.check(meta, caches)
         rope = self.rope(meta.positions)
         h = self.embed_tokens(input_ids)
+        bank = self.new_bank(h)
         cache = (lambda i: caches[i]) if caches is not None else (lambda i: None)
-        if not self.attn_res:
-            pending = None
-            for i, layer in enumerate(self.layers):
-                h, pending = layer(h, rope, meta, cache(i), pending)
-            return self.norm(h, add=pending)
-        bs = cfg.attn_res_block_size
-        num_blocks = -(-cfg.num_hidden_layers // bs)
-        bank = h.new_empty(h.shape[0], num_blocks, h.shape[1])
-        prefix, delta = h, None
+        pending = None
         for i, layer in enumerate(self.layers):
-            prefix, delta = layer.forward_attn_res(prefix, delta, bank, rope, meta, cache(i))
-        _, h = attn_res_mix(prefix, delta, bank, num_blocks, self.output_attn_res_norm, self.output_attn_res_proj, None)
+            h, pending = layer(h, rope, meta, cache(i), pending, bank)
+        return self.final(h, pending, bank)
+
+    def new_bank(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Attention residuals' bank of finished block sums [T, blocks, H], or None."""
+        if not self.attn_res:
+            return None
+        return h.new_empty(h.shape[0], -(-self.config.num_hidden_layers // self.config.attn_res_block_size), h.shape[1])
+
+    def final(self, h: torch.Tensor, pending: torch.Tensor | None, bank: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's (h, pending) -> the final hidden states."""
+        if not self.attn_res:
+            return self.norm(h, add=pending)
+        _, h = attn_res_mix(h, pending, bank, bank.shape[1], self.output_attn_res_norm, self.output_attn_res_proj, None)
         return self.norm(h)
 
 

@@ -6,21 +6,24 @@ for the same code in three runs (bench/RESULTS.md). Everything in a layer but at
 depends on the step's token count only, so it is captured once per token-count bucket: one
 graph from each layer's attention output to the next layer's attention input (gate and o_proj,
 both residual adds, the MoE or MLP, the next norm and q/kv projections), the first from the
-embedding, the last ending in the final norm. Attention (`MLAAttention.attend`: the KV write,
-the prompts' SDPA, the absorbed decodes), which depends on the chunks' lengths and positions,
-runs eagerly between the replays on the step's real tokens. vLLM's piecewise graphs cut the
-model at the same place.
+embedding, the last ending in the final norm. Attention proper (`MLAAttention.attend`: the KV
+write, the prompts' SDPA, the absorbed decodes; `KimiDeltaAttention.attend`: the short convs and
+the recurrence, from and into the state rows), which depends on the chunks' lengths and
+positions, runs eagerly between the replays on the step's real tokens. vLLM's piecewise graphs
+cut the model at the same place. With Kimi-K3's attention residuals the pieces carry the running
+block sum and its next term instead of the residual stream (`DecoderLayer.enter` / `leave`).
 
 Rows past the step's tokens, up to the bucket, are padding: whatever token and position the
 buffers last held (valid ones: zeros at first, then an earlier step's). Every captured op is
 row-independent, attention never reads those rows and no cache write covers them.
 
 As with the decode graphs, weights and the KV cache are read at their pool addresses, which
-sleep keeps, and activations live in a private graph pool. The pieces hand attention its q and
-latent through static buffers shared by every layer and bucket, so a bucket's graphs hold only
-one layer's activations at a time. TP 1, MLA layers without attention residuals; other models,
-and any capture that fails, run eagerly (logged). LATENTSERVE_PREFILL_GRAPHS=0 runs every step
-eagerly (read per step: the bench's baseline).
+sleep keeps, and activations live in a private graph pool. The pieces hand attention its inputs
+(`step_buffers`: MLA's q and latent, KDA's pre-conv q|k|v and raw gates) through static buffers
+shared by every layer of a kind and every bucket, as is the bank of block sums, so a bucket's
+graphs hold only one layer's activations at a time. TP 1 only; other plans, and any capture that
+fails, run eagerly (logged). LATENTSERVE_PREFILL_GRAPHS=0 runs every step eagerly (read per
+step: the bench's baseline).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from ..log import get_logger
 from . import moe_grouped
-from .attention import AttnMetadata, MLAAttention
+from .attention import AttnMetadata
 from .moe import grouped_mm_fast
 
 log = get_logger("prefill_graphs")
@@ -58,10 +61,6 @@ def unsupported_reason(model) -> str | None:
         return "not on CUDA"
     if model.tp.world_size != 1:
         return "TP > 1: the pieces' collectives are not captured for prefill-sized steps yet"
-    if model.model.attn_res:
-        return "attention residuals mix layers' outputs outside the layer pieces"
-    if not all(isinstance(layer.self_attn, MLAAttention) for layer in model.layers):
-        return "KDA layers keep per-sequence state the pieces would need to carry"
     for layer in model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is None or experts.w13_scale_inv is not None:
@@ -83,36 +82,47 @@ class PrefillGraphs:
         self.sizes = sorted(set(int(s) for s in sizes))
         n = self.sizes[-1]
         w = model.model.norm.weight
-        attn: MLAAttention = model.layers[0].self_attn
         self.ids = torch.zeros(n, dtype=torch.long, device=w.device)
         self.positions = torch.zeros(n, dtype=torch.long, device=w.device)
-        self.q = torch.zeros(n, attn.num_heads, attn.qk_dim, dtype=w.dtype, device=w.device)
-        self.latent = torch.zeros(n, attn.kv_lora_rank + attn.rope, dtype=w.dtype, device=w.device)
-        self.out = torch.zeros(n, attn.num_heads, attn.v_dim, dtype=w.dtype, device=w.device)
         self.hidden = torch.zeros(n, w.shape[0], dtype=w.dtype, device=w.device)
+        # Attention's inputs and output, one set per kind of attention (MLA, KDA), shared by its
+        # layers and every bucket; attention residuals' bank of block sums likewise.
+        self.buffers: dict[type, tuple[tuple, torch.Tensor]] = {}
+        for layer in model.layers:
+            kind = type(layer.self_attn)
+            if kind not in self.buffers:
+                self.buffers[kind] = layer.self_attn.step_buffers(n, w.dtype, w.device)
+        bank = model.model.new_bank(self.hidden)
+        self.bank = bank.zero_() if bank is not None else None
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._ropes: dict[int, tuple] = {}  # each bucket's cos/sin, read by all its graphs
         self.replays = 0
         self._capture()
 
+    def _views(self, layer, rows: int) -> tuple[tuple, torch.Tensor]:
+        inputs, out = self.buffers[type(layer.self_attn)]
+        return tuple(t[:rows] for t in inputs), out[:rows]
+
     def _piece(self, k: int, b: int, state: dict) -> dict:
         """Piece k of bucket b: layer k-1 after its attention (none for k = 0: the embedding),
         then layer k up to its attention (none for the last: the final norm)."""
         m, layers = self.model.model, self.model.layers
+        bank = self.bank[:b] if self.bank is not None else None
         if k == 0:
-            h = m.embed_tokens(self.ids[:b])
+            h, pending = m.embed_tokens(self.ids[:b]), None
             rope = m.rope(self.positions[:b])
         else:
             prev = layers[k - 1]
-            h, pending = prev.after_attention(state["h"], prev.self_attn.output(self.out[:b], state["gate"]))
-            h = h + pending
+            _, out = self._views(prev, b)
+            h, pending = prev.leave(state["h"], prev.self_attn.output(out, state["gate"]), bank)
             rope = state["rope"]
         if k == len(layers):
-            self.hidden[:b].copy_(m.norm(h))
+            self.hidden[:b].copy_(m.final(h, pending, bank))
             return {}
         layer = layers[k]
-        _, _, gate = layer.self_attn.project(layer.input_layernorm(h), *rope, into=(self.q[:b], self.latent[:b]))
+        h, x = layer.enter(h, pending, bank)
+        _, gate = layer.project(x, rope, into=self._views(layer, b)[0])
         return {"h": h, "gate": gate, "rope": rope}
 
     @torch.inference_mode()
@@ -153,7 +163,8 @@ class PrefillGraphs:
         graphs = self.graphs[b]
         for k, layer in enumerate(self.model.layers):
             graphs[k].replay()
-            layer.self_attn.attend(self.q[:t], self.latent[:t], meta, caches[k], out=self.out[:t])
+            inputs, out = self._views(layer, t)
+            layer.self_attn.attend(*inputs, meta, caches[k], out=out)
         graphs[-1].replay()
         self.replays += 1
         return self.hidden[:t]

@@ -1,6 +1,6 @@
 """Piecewise prefill graphs (model/prefill_graphs.py) against the eager path of the same engine,
-step by step through the worker, with LATENTSERVE_PREFILL_GRAPHS=0 (read per step) as the
-baseline. A step whose token count is a bucket runs the very kernels of the eager step at the
+for an MLA model and for Kimi-K3, step by step through the worker, with
+LATENTSERVE_PREFILL_GRAPHS=0 (read per step) as the baseline. A step whose token count is a bucket runs the very kernels of the eager step at the
 same shapes, so its logits must be equal bit for bit; below a bucket the padding rows change
 GEMM shapes (and so cuBLAS's kernel choice), which moves bf16 logits by rounding only.
 """
@@ -24,9 +24,12 @@ OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_he
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def llm():
-    engine = LLM(model="tiny", hf_overrides=OVERRIDES, dtype="bfloat16", device="cuda", seed=0,
+@pytest.fixture(scope="module", params=["tiny", "k3-tiny"])
+def llm(request):
+    """tiny (MLA layers, widths the Triton decode kernel takes) and k3-tiny (Kimi-K3: KDA and MLA
+    layers, attention residuals, output gates)."""
+    overrides = OVERRIDES if request.param == "tiny" else dict(initializer_range=0.1)
+    engine = LLM(model=request.param, hf_overrides=overrides, dtype="bfloat16", device="cuda", seed=0,
                  distributed_executor_backend="uni", max_num_batched_tokens=1024, enable_sleep_mode=True)
     yield engine
     engine.shutdown()
