@@ -57,7 +57,7 @@ import service.weights as weights  # noqa: E402
 import service.weights.checkpoint  # noqa: E402,F401
 from service import LLM, SamplingParams  # noqa: E402
 from service.engine.plan import SeqChunk, StepPlan  # noqa: E402
-from service.model.attention import AttnMetadata  # noqa: E402
+from service.model.attn_metadata import AttnMetadata  # noqa: E402
 from service.weights import fp8  # noqa: E402
 
 GIB = 1 << 30

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from service.config import resolve_model  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
-from service.model.attention import AttnMetadata, MLAAttention, kv_cache_shape  # noqa: E402
+from service.model.attention import MLAAttention, kv_cache_shape  # noqa: E402
+from service.model.attn_metadata import AttnMetadata  # noqa: E402
 from service.model.layers import RotaryEmbedding  # noqa: E402
 from service.parallel import TPGroup  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from service.config import ModelConfig
 from service.engine.plan import SeqChunk
-from service.model.attention import AttnMetadata
+from service.model.attn_metadata import AttnMetadata
 from service.model.model import CausalLM
 from service.parallel import TPGroup
 from service.weights import init_dummy_weights, materialize_plain

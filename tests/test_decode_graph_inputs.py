@@ -90,7 +90,7 @@ def test_kda_decode_traces_once_for_every_batch_and_matches_eager(fresh):
 
     import torch._dynamo
 
-    from service.model.attention import AttnMetadata
+    from service.model.attn_metadata import AttnMetadata
     from service.model.kda import KDAState, KimiDeltaAttention, kda_state_shapes
     from service.parallel import TPGroup
 

@@ -19,7 +19,7 @@ from _model_utils import run_tp
 
 from service.config import PRESETS, ConfigError, ModelConfig
 from service.engine.plan import SeqChunk
-from service.model.attention import AttnMetadata
+from service.model.attn_metadata import AttnMetadata
 from service.model.kda import KDAState, KimiDeltaAttention, chunked_kda, kda_state_shapes
 from service.parallel import TPGroup
 

@@ -12,7 +12,8 @@ import torch
 from service.config import resolve_model
 from service.engine.plan import SeqChunk
 from service.model import attention
-from service.model.attention import AttnMetadata, MLAAttention, kv_cache_shape
+from service.model.attention import MLAAttention, kv_cache_shape
+from service.model.attn_metadata import AttnMetadata
 from service.model.layers import RotaryEmbedding
 from service.parallel import TPGroup
 

@@ -250,7 +250,7 @@ class RankWorker(RankWeights, RankRPC):
 
     def _eager_forward(self, chunks: list, kv_caches: list | None) -> torch.Tensor | None:
         """Logits of the chunks that need them (None if none do); kv_caches=None: cache-less."""
-        from ..model.attention import AttnMetadata
+        from ..model.attn_metadata import AttnMetadata
 
         meta = AttnMetadata.build(chunks, self.config.block_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)

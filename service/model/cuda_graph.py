@@ -39,7 +39,7 @@ import torch
 from ..engine.plan import SeqChunk
 from ..log import get_logger
 from . import fusion, mla_decode, moe_kernels, pdl
-from .attention import AttnMetadata
+from .attn_metadata import AttnMetadata
 from .kda import KDAState
 from .kda_ops import fla_available
 from .moe import MoE, grouped_mm_fast

@@ -26,7 +26,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..log import get_logger
 from ..parallel import TPGroup
-from .attention import AttnMetadata
+from .attn_metadata import AttnMetadata
 from .fusion import fused
 from .kda_ops import fla_available, fla_decode, fla_kda, write_rows
 from .layers import ColumnParallelLinear, KeepFloat32, ReplicatedLinear, RowParallelLinear, frozen

@@ -17,7 +17,8 @@ from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
 from . import fp8
-from .attention import AttnMetadata, MLAAttention
+from .attention import MLAAttention
+from .attn_metadata import AttnMetadata
 from .attn_res import attn_res_mix
 from .layers import (
     GatedMLP,

@@ -35,7 +35,7 @@ import torch
 
 from ..log import get_logger
 from . import moe_grouped
-from .attention import AttnMetadata
+from .attn_metadata import AttnMetadata
 from .moe import grouped_mm_fast
 
 log = get_logger("prefill_graphs")

@@ -21,7 +21,7 @@ from _model_utils import build_model  # noqa: E402
 from service.config import PRESETS  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
 from service.model import cuda_graph  # noqa: E402
-from service.model.attention import AttnMetadata  # noqa: E402
+from service.model.attn_metadata import AttnMetadata  # noqa: E402
 from service.model.kda import KDAState, kda_state_shapes  # noqa: E402
 
 pytestmark = kernel_marks(600)

@@ -18,7 +18,7 @@ triton = require_kernel_device()
 from service import LLM, SamplingParams  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
 from service.model import fp8, fp8_grouped, fp8_moe, moe_kernels  # noqa: E402,F401 (fp8_moe registers its op)
-from service.model.attention import AttnMetadata  # noqa: E402
+from service.model.attn_metadata import AttnMetadata  # noqa: E402
 from service.model.layers import silu_and_mul, situ_and_mul  # noqa: E402
 from service.weights import export_state  # noqa: E402
 from service.weights import fp8 as fmt  # noqa: E402

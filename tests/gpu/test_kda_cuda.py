@@ -17,7 +17,7 @@ pytest.importorskip("fla.ops.kda", reason="fla-core is not installed")
 
 from service.config import PRESETS, ModelConfig  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
-from service.model.attention import AttnMetadata  # noqa: E402
+from service.model.attn_metadata import AttnMetadata  # noqa: E402
 from service.model.kda import KDAState, KimiDeltaAttention, fla_kda, kda_state_shapes  # noqa: E402
 from service.parallel import TPGroup  # noqa: E402
 

@@ -93,7 +93,7 @@ def test_decode_with_separate_rope_query_equals_the_cat(splits):
 
 def test_absorbed_decode_through_the_kernels_equals_the_bmm_path(monkeypatch):
     """MLAAttention._absorbed_decode on the kernels against LATENTSERVE_MLA_ABSORB=0 (bmm's, cat)."""
-    from service.model.attention import AttnMetadata
+    from service.model.attn_metadata import AttnMetadata
 
     attn, _ = attention_layer()
     q, kv, tables, ctx, _ = case(5, 4, 8, 64, 16, 4, torch.float32, 30)
@@ -139,7 +139,7 @@ def test_attention_decode_writes_kv_in_the_kernel(monkeypatch):
     """MLAAttention.forward on a step of decodes: the kernel's own KV write equals write_kv's
     (LATENTSERVE_MLA_WRITE_KV=0) in output and cache."""
     from service.engine.plan import SeqChunk
-    from service.model.attention import AttnMetadata
+    from service.model.attn_metadata import AttnMetadata
     from service.model.layers import RotaryEmbedding
 
     attn, cfg = attention_layer()
