@@ -41,7 +41,7 @@ if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
     s=$(date +%s)
     OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --requests 256 > "$OUT/serve_all.log" 2>&1
     echo "== serve rc=$? $(( $(date +%s) - s ))s"
-    grep -E "serve-bench" "$OUT/serve_all.log" | cut -c1-700
+    grep -E "serve-bench" "$OUT/serve_all.log" | cut -c1-900  # execute_<kind>_ms / _max_ms: slow mixed steps
   fi
 fi
 if [ "$what" != bench ]; then
@@ -51,7 +51,7 @@ if [ "$what" != bench ]; then
   group fp8 150 tests/gpu/test_fp8.py
   group comm 60 tests/gpu/test_device_comm.py
   group tp 150 tests/gpu/test_tp_graphs.py
-  group engine 100 tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py
+  group engine 200 tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py
   group k3 300 tests/gpu/test_k3_graphs_cuda.py
   grep -h -E "capture_failed|capture_recompile|FAILED" "$OUT"/*.txt | cut -c1-300 | head -20
 fi
