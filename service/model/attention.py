@@ -29,6 +29,7 @@ from .layers import (
     RMSNorm,
     RowParallelLinear,
     apply_rope,
+    cat_last,
     softmax_scale,
 )
 
@@ -71,11 +72,6 @@ def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     H200: 52.5 against 54.8 ms, bench/RESULTS.md). LATENTSERVE_SDPA_PAD_V=1 pads for flash."""
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-
-
-def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
-    """Along the last dim, into `out` when given (no out=None under torch.compile)."""
-    return torch.cat(parts, dim=-1) if out is None else torch.cat(parts, dim=-1, out=out)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int]:
@@ -137,11 +133,11 @@ class MLAAttention(nn.Module):
             c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         q = q.view(t, self.num_heads, self.qk_dim)
         if self.use_rope:
-            q = _cat([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], q_out)
+            q = cat_last([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], q_out)
             k_pe = apply_rope(k_pe, cos, sin, self.interleave)
         elif q_out is not None:
             q = q_out.copy_(q)
-        latent = _cat([self.kv_a_layernorm(c_kv), k_pe], latent_out)
+        latent = cat_last([self.kv_a_layernorm(c_kv), k_pe], latent_out)
         gate = self.g_proj(x).sigmoid() if self.g_proj is not None else None
         return (q, latent), gate
 

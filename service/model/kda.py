@@ -29,7 +29,7 @@ from ..parallel import TPGroup
 from .attn_metadata import AttnMetadata
 from .fusion import fused
 from .kda_ops import fla_available, fla_decode, fla_kda, write_rows
-from .layers import ColumnParallelLinear, KeepFloat32, ReplicatedLinear, RowParallelLinear, frozen
+from .layers import ColumnParallelLinear, KeepFloat32, ReplicatedLinear, RowParallelLinear, cat_last, frozen
 
 log = get_logger("kda")
 
@@ -213,8 +213,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         depends on the token count only (prefill_graphs.py captures it). `into`: buffers for the
         first three (`step_buffers`)."""
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
-        parts = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
-        mixed = torch.cat(parts, dim=-1) if into is None else torch.cat(parts, dim=-1, out=into[0])
+        mixed = cat_last([self.q_proj(x), self.k_proj(x), self.v_proj(x)], into[0] if into is not None else None)
         raw_g = self.f_b_proj(self.f_a_proj(x)).view(t, heads, d)
         raw_beta = self.b_proj(x)
         if into is not None:

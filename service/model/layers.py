@@ -350,3 +350,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     cos = cos.view(shape).to(x.dtype)
     sin = sin.view(shape).to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def cat_last(parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.cat along the last dim, into `out` when given (never out=None, which torch.compile
+    traces as an argument)."""
+    return torch.cat(parts, dim=-1) if out is None else torch.cat(parts, dim=-1, out=out)
