@@ -205,26 +205,24 @@ def step_phases(before: dict, after: dict) -> dict:
     return out
 
 
-def replays(graph_stats: list[dict], which: str = "graphs") -> int | None:
-    """Rank 0's replays of its decode graphs (`graphs`) or prefill graphs (`prefill_graphs`)."""
-    graphs = graph_stats[0].get(which) if graph_stats else None
-    return None if graphs is None else graphs["replays"]
+def with_replays(engine: dict, graph_stats: list[dict]) -> dict:
+    """The engine's stats plus rank 0's replays of its decode graphs and its prefill graphs."""
+    def replays(which: str) -> int | None:
+        graphs = graph_stats[0].get(which) if graph_stats else None
+        return None if graphs is None else graphs["replays"]
+    return {**engine, "graph_replays": replays("graphs"), "prefill_replays": replays("prefill_graphs")}
 
 
 def engine_stats(url: str, key: str | None) -> dict | None:
     try:
         with Client(url, key) as c:
-            graphs = c.collective_rpc("graph_stats", ranks=[0])
-            return {**c.status()["engine"], "graph_replays": replays(graphs),
-                    "prefill_replays": replays(graphs, "prefill_graphs")}
+            return with_replays(c.status()["engine"], c.collective_rpc("graph_stats", ranks=[0]))
     except Exception:  # noqa: BLE001 - an external server without an admin key: no step phases
         return None
 
 
 def offline_stats(llm) -> dict:
-    graphs = llm.collective_rpc("graph_stats")
-    return {**llm.executor.rank0_call("engine_stats", timeout=30.0), "graph_replays": replays(graphs),
-            "prefill_replays": replays(graphs, "prefill_graphs")}
+    return with_replays(llm.executor.rank0_call("engine_stats", timeout=30.0), llm.collective_rpc("graph_stats"))
 
 
 # ---- the same engine offline -----------------------------------------------------------------------

@@ -313,11 +313,16 @@ class DecodeGraphs:
                 "graph_ids": {b: id(g) for b, g in self.graphs.items()}, "compiled_layers": compiled}
 
 
+def graph_batch_sizes(config) -> list[int]:
+    """The configured decode graph batch sizes a step can reach (up to max_num_seqs)."""
+    return [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
+
+
 def for_worker(model, kv_caches: list[torch.Tensor], config) -> DecodeGraphs | None:
     """The worker's decode graphs, or None (logged) when they are off or cannot run."""
     if config.enforce_eager or not str(config.device).startswith("cuda"):
         return None
-    sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
+    sizes = graph_batch_sizes(config)
     scratch = scratch_indices(config)
     reason = unsupported_reason(model, kv_caches, max(sizes, default=None)) or scratch_reason(kv_caches, scratch)
     if reason is None and not sizes:

@@ -199,10 +199,10 @@ def warm_up_mixed_steps(execute, config) -> None:
     Each is a compile of ~a second at its first use, which a request would otherwise wait for.
     `execute(plan)` is the worker's; every rank runs the same steps (their collectives match)."""
     from ..engine.plan import SeqChunk, StepPlan
-    from .cuda_graph import scratch_indices
+    from .cuda_graph import graph_batch_sizes, scratch_indices
 
     block, row = scratch_indices(config)
-    sizes = sorted({b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs} | {1})
+    sizes = sorted({*graph_batch_sizes(config), 1})
     t0 = time.perf_counter()
     for b in sizes:
         chunks = [SeqChunk(-1, [0], 0, [block], state_slot=row) for _ in range(b)]
