@@ -106,11 +106,22 @@ class RankWorker(RankWeights, RankRPC):
                 prefill_graphs.warm_up_mixed_steps(self.execute, cfg)
             except Exception as e:  # an optimization: serve without it rather than not at all
                 log.error("mixed_step_warm_up_failed", error=f"{type(e).__name__}: {e}"[:800])
+            self._warm_up_cudnn()
         self.tp.barrier()
         info = {"rank": self.rank, "threads": threads, "seconds": round(time.perf_counter() - t0, 3),
                 "tail": self.tail_summary()}
         log.info("rank_ready", **info)
         return info
+
+    def _warm_up_cudnn(self) -> None:
+        from ..model import sdpa
+        from ..model.attention import MLAAttention
+
+        attn = next((m for m in self.model.modules() if isinstance(m, MLAAttention)), None)
+        if attn is not None and attn.v_dim < attn.qk_dim:
+            t0 = time.perf_counter()
+            sdpa.warm_up_cudnn(attn.num_heads, attn.qk_dim, attn.v_dim, self.config.torch_dtype, self.device)
+            log.info("cudnn_warmed_up", seconds=round(time.perf_counter() - t0, 2))
 
     def _build_model(self, group_name: str) -> None:
         from ..memory.pool import MemoryPool

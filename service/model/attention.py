@@ -16,13 +16,11 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
-from . import cpu_kernels, mla_absorb, mla_decode
+from . import cpu_kernels, mla_absorb, mla_decode, sdpa
 from .attn_metadata import AttnMetadata
-from .kernel_guard import KernelGuard
 from .layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -61,17 +59,6 @@ def write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) 
         torch.ops.latentserve.write_kv(kv_cache, slots, latent)
     else:
         _write_kv(kv_cache, slots, latent)
-
-
-_CUDNN = KernelGuard("cudnn_attention")
-
-
-def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal SDPA [b, heads, n, dim] on cuDNN's kernel, which takes v narrower than q/k: flash
-    needs v padded to their width, a copy of every value (an 8 x 1024 prefill of `small` on the
-    H200: 52.5 against 54.8 ms, bench/RESULTS.md). LATENTSERVE_SDPA_PAD_V=1 pads for flash."""
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int]:
@@ -238,26 +225,15 @@ class MLAAttention(nn.Module):
         """q [b, n, heads, qk] at positions start.. over k [b, S = start + n, heads, qk] and v
         [b, S, heads, v] -> [b, n, heads, v]."""
         n, s = q.shape[1], k.shape[1]
-        if start == 0 and s == n:
-            mask, causal = None, True
-        else:
-            # Bottom-right causal: query i (position start + i) sees keys 0..start + i.
-            mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-            causal = False
-        pad = self.nope + self.rope - self.v_dim
-        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and mask is None and pad > 0:
-            if os.environ.get("LATENTSERVE_SDPA_PAD_V", "0") != "1":
-                o = _CUDNN.call(_cudnn_causal, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
-                if o is not None:
-                    return o.transpose(1, 2)
-            # Flash attention needs v as wide as q/k: zero columns, sliced off after.
-            v = F.pad(v, (0, pad))
         # 4-D [b, heads, tokens, dim]: SDPA's fused kernels (flash, memory-efficient) take only
         # 4-D inputs; 3-D ones went to its math path, in fp32, 115 of a 188 ms 8 x 1024 prefill
         # on the H200.
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=causal, scale=self.scale)
-        return o.transpose(1, 2)[..., : self.v_dim]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if start == 0 and s == n:
+            return sdpa.causal(q, k, v, self.scale).transpose(1, 2)
+        # Bottom-right causal: query i (position start + i) sees keys 0..start + i.
+        mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).transpose(1, 2)
 
     def _decode_writes_kv(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata) -> bool:
         """A step of decodes only on the Triton kernel: it writes the step's KV rows itself, one
