@@ -80,7 +80,9 @@ def launch_config(batch: int, num_heads: int) -> dict:
 
 if triton is not None:
 
-    @triton.jit
+    # stride_bt is the block tables' width, which in a mixed step follows its decodes' longest
+    # context: specialized (== 1, % 16), each new class was a compile of ~0.25 s inside a served step.
+    @triton.jit(do_not_specialize=["stride_bt"])
     def _mla_decode_split(q_ptr, qpe_ptr, kv_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr, new_ptr, new_slot_ptr,
                           stride_qb, stride_qh, stride_pb, stride_ph, stride_slot, stride_bt,
                           stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_new,

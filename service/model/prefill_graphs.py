@@ -193,7 +193,7 @@ def for_worker(model, config) -> PrefillGraphs | None:
 
 
 def warm_up_mixed_steps(execute, config) -> None:
-    """One mixed step (decodes beside a prompt) at each decode graph batch size, all of it in the
+    """One mixed step (decodes beside prompts) at each decode graph batch size, all of it in the
     scratch KV block and state row, so Triton compiles at startup what only mixed steps run: the
     MLA decode kernel that leaves the KV write to write_kv, the absorb kernels on gathered rows.
     Each is a compile of ~a second at its first use, which a request would otherwise wait for.
@@ -203,10 +203,15 @@ def warm_up_mixed_steps(execute, config) -> None:
 
     block, row = scratch_indices(config)
     sizes = sorted({*graph_batch_sizes(config), 1})
+    bs = config.block_size
     t0 = time.perf_counter()
     for b in sizes:
-        chunks = [SeqChunk(-1, [0], 0, [block], state_slot=row) for _ in range(b)]
-        chunks.append(SeqChunk(-2, [0] * config.block_size, 0, [block], state_slot=row))
+        # Decodes three blocks into a context (the scratch block, repeated), whole prompts, and a
+        # prompt's later chunk, which attends with a mask on another SDPA kernel: its first use
+        # in a served mixed step took ~1 s (bench/RESULTS.md, run 23).
+        chunks = [SeqChunk(-1, [0], 2 * bs, [block] * 3, state_slot=row) for _ in range(b)]
+        chunks += [SeqChunk(-2, [0] * bs, 0, [block], state_slot=row) for _ in range(2)]
+        chunks.append(SeqChunk(-3, [0] * (bs // 2), bs // 2, [block], state_slot=row))
         execute(StepPlan(chunks))
     if str(config.device).startswith("cuda"):
         torch.cuda.synchronize()
