@@ -36,3 +36,14 @@ def test_causal_with_narrow_v_matches_softmax():
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     assert out.shape == (b, h, n, 8)
     torch.testing.assert_close(out, scores.softmax(-1) @ v, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_matches_softmax():
+    """A prompt's later chunk: queries at positions 5.. over 5 cached keys and their own."""
+    torch.manual_seed(1)
+    h, n, start = 2, 4, 5
+    q, k, v = torch.randn(1, h, n, 12), torch.randn(1, h, start + n, 12), torch.randn(1, h, start + n, 8)
+    mask = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+    out = sdpa.masked(q, k, v, mask, 0.3)
+    scores = ((q @ k.transpose(-1, -2)) * 0.3).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(out, scores.softmax(-1) @ v, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
@@ -233,7 +232,7 @@ class MLAAttention(nn.Module):
             return sdpa.causal(q, k, v, self.scale).transpose(1, 2)
         # Bottom-right causal: query i (position start + i) sees keys 0..start + i.
         mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).transpose(1, 2)
+        return sdpa.masked(q, k, v, mask, self.scale).transpose(1, 2)
 
     def _decode_writes_kv(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata) -> bool:
         """A step of decodes only on the Triton kernel: it writes the step's KV rows itself, one

@@ -53,7 +53,9 @@ def _rows_block(batch: int) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    # B is a step's decode count: specialized (== 1, % 16) and with BLOCK_B, a mixed step with
+    # a count the startup warm-up had not met compiled two kernels (~0.8 s) inside the step.
+    @triton.jit(do_not_specialize=["B"])
     def _per_head_kernel(x_ptr, w_ptr, out_ptr, B, K, J, stride_xb, stride_xh, stride_wh, stride_wk, stride_wj,
                          stride_ob, stride_oh, IEEE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_J: tl.constexpr, PDL: tl.constexpr):

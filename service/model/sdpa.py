@@ -7,6 +7,10 @@ shape: ~1.3 s for the first in a process, ~60 ms for each one after (bench/RESUL
 22), and served mixed steps bring a new shape (prompts x length) almost every step, which
 made them ~0.4 s each. Flash pays ~20 ms once for any shape. So a shape runs on flash until
 the work it has done would have paid for a cuDNN plan, and on cuDNN from then on.
+
+torch 2.11 puts cuDNN first in SDPA's own backend choice on Hopper, masks included: every call
+here names its backends, or a prompt's later chunk (masked) built a plan for its shape inside a
+served step (~0.9 s in run 23).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .kernel_guard import KernelGuard
 
 _CUDNN = KernelGuard("cudnn_attention")
+# What SDPA may choose from when the plan budget has not chosen cuDNN.
+_NO_PLANS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Score elements (batch x heads x n x n) a shape must have run on flash before it gets a cuDNN
 # plan: ~60 ms of plan against cuDNN's ~0.1 ms saving per 8 x 16 x 1024 x 1024 call (run 22).
@@ -66,8 +72,17 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
                 return o
         # Zero columns: scores are unchanged and the padded output columns are sliced off.
         v = F.pad(v, (0, width - v_dim))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    with sdpa_kernel(_NO_PLANS):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return o[..., :v_dim]
+
+
+def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [b, heads, n, qk] over k, v [b, heads, S, qk / v_dim] where mask [n, S] is True: a
+    prompt's later chunk against its cached context (memory-efficient attention takes the mask
+    and v's own width)."""
+    with sdpa_kernel(_NO_PLANS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def warm_up_cudnn(heads: int, width: int, v_dim: int, dtype: torch.dtype, device) -> None:
