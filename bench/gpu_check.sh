@@ -43,6 +43,10 @@ if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
     echo "== serve rc=$? $(( $(date +%s) - s ))s"
     grep -E "serve-bench" "$OUT/serve_all.log" | cut -c1-900  # execute_<kind>_ms / _max_ms: slow mixed steps
   fi
+  if [ "$(left)" -gt 100 ]; then  # first uses inside mixed steps: first wave over a warm one
+    timeout "$(( $(left) - 10 ))" python3 bench/mixed_steps.py --json "$OUT/mixed_steps.json" > "$OUT/mixed_steps.log" 2>&1
+    echo "== mixed_steps rc=$?"; grep -E "^mixed steps|wave [0-9]" "$OUT/mixed_steps.log" | cut -c1-600
+  fi
 fi
 if [ "$what" != bench ]; then
   group kernels 150 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \

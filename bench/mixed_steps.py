@@ -1,0 +1,136 @@
+"""Mixed steps (decodes beside prompts) of a fresh engine against the same steps once warm.
+
+    python3 bench/mixed_steps.py [--device cuda] [--waves 2] [--wave 256] [--json out.json]
+
+The engine runs in process (`uni` executor) with bench/serve.py's CUDA options (`small`, 24
+layers, bf16, graphs up to the wave size, 8192-token steps). Each wave generates --wave prompts
+of --prompt-len tokens for --max-tokens tokens, so its steps are the same in every wave: a
+prefill step, mixed steps while prompts still arrive, then decodes. Every `execute` is timed
+with a device sync. Wave 1 against the last wave is what first uses inside served steps cost
+(plans, compiles, lazy kernel loads); the startup warm-up exists to make it 1.0. Triton
+compiles during each wave are counted, where Triton is installed.
+On a CPU it runs `tiny` at TP 1 (a check of the script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from serve import make_prompts  # noqa: E402
+
+from service import LLM, SamplingParams  # noqa: E402
+from service.cli import build_parser  # noqa: E402
+from service.cluster.worker import RankWorker  # noqa: E402
+from service.engine_config import engine_kwargs  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[mixed-steps {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class StepClock:
+    """Wraps RankWorker.execute: (decodes, prompt chunks, tokens, ms) of every step."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.steps, self.compiles = cuda, [], 0
+        self._execute = RankWorker.execute
+        clock = self
+
+        def execute(worker, plan):
+            if clock.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = clock._execute(worker, plan)
+            if clock.cuda:
+                torch.cuda.synchronize()
+            decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0)
+            clock.steps.append((decodes, len(plan.chunks) - decodes, sum(len(c.token_ids) for c in plan.chunks),
+                                (time.perf_counter() - t0) * 1e3))
+            return out
+
+        RankWorker.execute = execute
+        self._count_compiles()
+
+    def _count_compiles(self) -> None:
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        compile_ = JITFunction._do_compile
+        clock = self
+
+        def counted(fn, *args, **kwargs):
+            clock.compiles += 1
+            return compile_(fn, *args, **kwargs)
+
+        JITFunction._do_compile = counted
+
+
+def summary(steps: list[tuple]) -> dict:
+    mixed = [ms for d, p, _, ms in steps if d and p]
+    prefill = [ms for d, p, _, ms in steps if p and not d]
+    return {"steps": len(steps), "mixed_ms": [round(x, 1) for x in mixed], "mixed_total_ms": sum(mixed),
+            "prefill_ms": [round(x, 1) for x in prefill], "step_ms_total": sum(s[3] for s in steps)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--wave", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.waves < 2:
+        ap.error("--waves must be >= 2: the last wave is the warm baseline")
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        sizes = ",".join(str(1 << i) for i in range(args.wave.bit_length()) if 1 << i < args.wave) + f",{args.wave}"
+        argv = ["--model", "small", "--dtype", "bfloat16", "--hf-overrides", '{"num_hidden_layers": 24}',
+                "--dummy-weights", "device", "--cuda-graph-batch-sizes", sizes, "--kv-cache-memory-gib", "4.0",
+                "--max-num-batched-tokens", "8192"]
+    else:
+        argv = ["--model", "tiny", "--max-num-batched-tokens", str(max(64, args.wave * args.prompt_len // 4))]
+    argv += ["--tp", "1", "--device", args.device, "--max-num-seqs", str(args.wave),
+             "--max-model-len", str(max(256, args.prompt_len + args.max_tokens))]
+    clock = StepClock(cuda)
+    t0 = time.perf_counter()
+    llm = LLM(distributed_executor_backend="uni", **engine_kwargs(build_parser().parse_args(["serve", *argv])))
+    log(f"engine up in {time.perf_counter() - t0:.1f} s ({clock.compiles} Triton compiles)")
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = make_prompts(args.wave * args.waves, args.prompt_len)
+    waves = []
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params)
+        for w in range(args.waves):
+            clock.steps, clock.compiles = [], 0
+            batch = prompts[w * args.wave:(w + 1) * args.wave]
+            llm.generate([{"prompt_token_ids": p} for p in batch], params)
+            waves.append({**summary(clock.steps), "triton_compiles": clock.compiles})
+            log(f"wave {w + 1}: {waves[-1]}")
+    finally:
+        llm.shutdown()
+    first, warm = waves[0], waves[-1]
+    ratio = first["mixed_total_ms"] / warm["mixed_total_ms"] if warm["mixed_total_ms"] else float("nan")
+    print(f"mixed steps, first wave / warm wave: {first['mixed_total_ms']:.1f} / {warm['mixed_total_ms']:.1f} ms "
+          f"= {ratio:.2f}x ({len(first['mixed_ms'])} steps; {first['triton_compiles']} Triton compiles in the "
+          f"first wave, {warm['triton_compiles']} in the last)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "argv": argv, "waves": waves, "first_over_warm": ratio}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
