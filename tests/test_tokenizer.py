@@ -135,10 +135,16 @@ def test_incremental_detokenizer_fallback_for_non_byte_level_tokenizers():
 
 
 def test_detokenizers_share_the_tokenizers_tables():
-    """One IncrementalDetokenizer per sequence: the special-id and byte tables come from the
-    tokenizer, built once (the added-token table took 25-45 ms a sequence at 32768 tokens)."""
+    """One IncrementalDetokenizer per sequence: the special-id and byte tables, and each token's
+    bytes, come from the tokenizer, built once (the added-token table took 25-45 ms a sequence
+    at 32768 tokens) and shared by every sequence."""
     tok = build_tiny_tokenizer(4096)
     a, b = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
-    assert a._special is b._special is tok.special_ids
     assert a._byte_of is b._byte_of is tok.byte_table
+    ids = tok.encode("shared tables", add_bos=False)
+    text_a = "".join(a.add(i) for i in ids) + a.flush()
+    cached = {i: tok._token_bytes[True][i] for i in ids}
+    assert "".join(b.add(i) for i in ids) + b.flush() == text_a == "shared tables"
+    assert all(tok._token_bytes[True][i] is cached[i] for i in ids)  # b read a's entries
+    assert tok.token_bytes(tok.eos_token_id, True) == b"" and tok.token_bytes(tok.eos_token_id, False) != b""
     assert tok.special_ids == {i for i, t in tok.hf.get_added_tokens_decoder().items() if t.special}

@@ -42,7 +42,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:
+            if not seq.is_finished:
+                return False
+        return True
 
 
 class LLMEngine:
@@ -347,17 +350,19 @@ class LLMEngine:
         return True
 
     def _output(self, req: _Request) -> RequestOutput:
-        delta = self.progress_deltas and not req.finished
-        first = all(seq.reported == (0, 0) for seq in req.seqs)
+        finished = req.finished
+        delta = self.progress_deltas and not finished
+        first = not delta or all(seq.reported == (0, 0) for seq in req.seqs)
+        # The tail might be the start of a stop string that a later token completes: holding it
+        # back keeps streamed text from ever shrinking.
+        stops = req.params.stop_list
+        hold = max(len(s) for s in stops) - 1 if stops and self.tokenizer is not None else 0
         completions = []
         for seq in req.seqs:
             text = None
             if self.tokenizer is not None:
                 text = seq.output_text
-                hold = max((len(s) for s in req.params.stop_list), default=1) - 1
                 if hold and not seq.is_finished:
-                    # The tail might be the start of a stop string that a later token completes:
-                    # holding it back keeps streamed text from ever shrinking.
                     text = text[:max(0, len(text) - hold)]
             tokens, chars = seq.reported if delta else (0, 0)
             if delta:
@@ -366,9 +371,9 @@ class LLMEngine:
                 index=seq.index, text=None if text is None else text[chars:], token_ids=seq.output_token_ids[tokens:],
                 logprobs=seq.logprobs[tokens:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        prompt_ids = list(req.prompt_token_ids) if first or not delta else []
+        prompt_ids = list(req.prompt_token_ids) if first else []
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=prompt_ids,
-                             outputs=completions, finished=req.finished, weight_version=self.weight_version,
+                             outputs=completions, finished=finished, weight_version=self.weight_version,
                              error=req.error, delta=delta)
 
     def _validate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
