@@ -330,8 +330,13 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     kernel_us = sum(e.time_range.elapsed_us() for e in events)
     table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=70)
+    # Every kernel name with its launches: per-layer kernels come 23-24 times a step (one dense
+    # layer), the rest (embedding, final norm, lm_head) once, which kernels_per_layer includes.
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.name] = counts.get(e.name, 0) + 1
     return {"batch": batch, "kernels": len(events), "kernels_per_layer": len(events) / layers,
-            "device_ms": kernel_us / 1e3, "table": table}
+            "device_ms": kernel_us / 1e3, "table": table, "kernel_counts": counts}
 
 
 def mode_graph_ms(args, env: dict[str, str]) -> dict:
