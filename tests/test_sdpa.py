@@ -17,6 +17,16 @@ def test_a_shape_is_ready_once_its_work_reaches_the_budget():
     assert not plans.ready(("other",), 1e30, float("inf"))  # "never"
 
 
+def test_the_budget_forgets_the_least_worked_shapes_when_full():
+    plans = sdpa.PlanBudget(max_shapes=4)
+    plans.ready(("big",), 100.0, 100.0)  # planned on its next call
+    for i in range(3):
+        plans.ready(("small", i), float(i + 1), 100.0)
+    plans.ready(("new",), 50.0, 100.0)  # full: the two least-worked shapes go
+    assert set(plans.work) == {("big",), ("small", 2), ("new",)}
+    assert plans.ready(("big",), 1.0, 100.0)
+
+
 def test_plan_budget_modes(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_SDPA_CUDNN", "never")
     assert sdpa._plan_after() == float("inf")

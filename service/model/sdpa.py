@@ -33,15 +33,21 @@ PLAN_AFTER = 8e10
 
 
 class PlanBudget:
-    """The work each shape has done on flash: `ready` once it reaches `after`."""
+    """The work each shape has done on flash: `ready` once it reaches `after`. A server meets a
+    new shape for nearly every (prompt count, length) pair, so past `max_shapes` the half that
+    did the least work is forgotten (the shapes with plans did the most)."""
 
-    def __init__(self):
+    def __init__(self, max_shapes: int = 4096):
         self.work: dict[tuple, float] = {}
+        self.max_shapes = max_shapes
 
     def ready(self, shape: tuple, work: float, after: float) -> bool:
         done = self.work.get(shape, 0.0)
         if done >= after:
             return True
+        if shape not in self.work and len(self.work) >= self.max_shapes:
+            keep = sorted(self.work.items(), key=lambda kv: kv[1])[len(self.work) // 2:]
+            self.work = dict(keep)
         self.work[shape] = done + work
         return False
 
