@@ -211,7 +211,8 @@ def warm_up_mixed_steps(execute, config) -> None:
         # in a served mixed step took ~1 s (bench/RESULTS.md, run 23).
         chunks = [SeqChunk(-1, [0], 2 * bs, [block] * 3, state_slot=row) for _ in range(b)]
         chunks += [SeqChunk(-2, [0] * bs, 0, [block], state_slot=row) for _ in range(2)]
-        chunks.append(SeqChunk(-3, [0] * (bs // 2), bs // 2, [block], state_slot=row))
+        half = max(1, bs // 2)
+        chunks.append(SeqChunk(-3, [0] * half, bs - half, [block], state_slot=row))
         execute(StepPlan(chunks))
     if str(config.device).startswith("cuda"):
         torch.cuda.synchronize()
