@@ -1,4 +1,4 @@
-"""Causal SDPA of MLA's expanded prefill, where v is narrower than q and k.
+"""SDPA of MLA's expanded prefill (causal prompts, masked later chunks): v narrower than q, k.
 
 Two CUDA kernels fit: flash, which needs v padded with zero columns to q's width (a copy of
 every value and a third more P.V work), and cuDNN's, which takes v as it is. cuDNN was 4%
