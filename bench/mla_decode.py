@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--splits", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="split counts the sweep tries")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2], help="pipeline stages the sweep tries")
+    ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64], help="context tile widths the sweep tries")
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warp counts the sweep tries")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -79,8 +81,8 @@ def main() -> None:
                "torch_us": t_torch * 1e6, "ours_vs_torch": t_torch / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw,
                "default": default}
         if args.sweep:
-            best = (t_ours, default)
-            for splits, bn, warps, stages in itertools.product(args.splits, (32, 64), (4, 8), args.stages):
+            best, tried = (t_ours, default), []
+            for splits, bn, warps, stages in itertools.product(args.splits, args.block_n, args.warps, args.stages):
                 if b * splits > 8192:
                     continue
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
@@ -89,10 +91,12 @@ def main() -> None:
                     t = graph_seconds(lambda v: run(v, splits, cfg), variants, reps=2)  # noqa: B023
                 except Exception:  # noqa: BLE001 - an unlaunchable shape (shared memory)
                     continue
-                if err < 1e-2 and t < best[0]:
-                    best = (t, {"splits": splits, **cfg})
+                if err < 1e-2:
+                    tried.append((round(t * 1e6, 2), {"splits": splits, **cfg}))
+                    if t < best[0]:
+                        best = (t, {"splits": splits, **cfg})
             row.update(best_us=best[0] * 1e6, best=best[1], best_of_copy_bw=nbytes / best[0] / bw,
-                       best_vs_default=t_ours / best[0])
+                       best_vs_default=t_ours / best[0], fastest=sorted(tried, key=lambda x: x[0])[:6])
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:
