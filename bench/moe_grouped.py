@@ -25,6 +25,9 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gemv import copy_bandwidth  # noqa: E402
 
 from service.config import PRESETS  # noqa: E402
 from service.model import moe_grouped  # noqa: E402
@@ -54,12 +57,6 @@ def graph_us(fn, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    return 2 * nbytes / (graph_us(lambda: dst.copy_(src), 20) * 1e-6)
 
 
 def candidates(pairs_per_expert: float) -> list[dict]:
