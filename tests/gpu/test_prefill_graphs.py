@@ -15,6 +15,7 @@ import torch
 
 from service import LLM
 from service.engine.plan import SeqChunk, StepPlan
+from service.model.kda import KDAState
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 if not torch.cuda.is_available():
@@ -54,11 +55,21 @@ def run(worker, chunks, graphs: bool) -> torch.Tensor:
         os.environ.pop("LATENTSERVE_PREFILL_GRAPHS", None)
 
 
+def kda_states(worker) -> list[torch.Tensor]:
+    """The KDA layers' state rows: a step advances them in place, so unlike MLA's KV rows (rewritten
+    with the same values) a second run of a decode or a later chunk would start from another state."""
+    return [t for c in worker.kv_caches if isinstance(c, KDAState) for t in (c.conv, c.recurrent)]
+
+
 def both(worker, chunks) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step eagerly, then through the graphs (rewriting the same KV rows with the same values)."""
+    """The step eagerly, then through the graphs from the same state (the same KV rows rewritten
+    with the same values, the KDA state rows put back as the eager run found them)."""
     pg = worker.prefill_graphs
     before = pg.replays
+    saved = [t.clone() for t in kda_states(worker)]
     eager = run(worker, chunks, graphs=False)
+    for t, s in zip(kda_states(worker), saved):
+        t.copy_(s)
     assert pg.replays == before, "the switch did not turn the graphs off"
     graphed = run(worker, chunks, graphs=True)
     assert pg.replays == before + 1, "the step did not run through the prefill graphs"
