@@ -36,10 +36,11 @@ BLOCK_H = 16  # tl.dot needs at least 16 rows; fewer heads are masked
 # bench/mla_decode.py --sweep on the H200 (2026-12-03, 16 heads, context 1024, bf16): 32 splits
 # of 32-token steps for one sequence (9.5 -> 8.1 us), 16 of 64 for 8 (16.0 -> 12.0 us), 4 of 32
 # with 4 warps at 64 (50.6 -> 43.0 us), and from 256 programs on one split (no merge) with 3
-# stages (147.3 us with 4 splits -> 119.0 us at 256). 2026-12-04, 5 stages from 64 programs on
-# (41.4 -> 38.1 us at 64, 118.3 -> 111.0 us at 256): the block-table load takes the pipeline's
-# first stages, so the KV tile (what the kernel waits on) gets one buffer at 3-4 stages and two
-# only from 5 (Triton 3.6's TTGIR for sm_90); 93.7 KB of shared memory, two programs an SM as before.
+# stages (147.3 us with 4 splits -> 119.0 us at 256). Tried 2026-12-04 and dropped: 3 and 5 stages
+# from 64 programs on. The block-table load takes the pipeline's first stages, so the KV tile gets
+# one buffer at 3-4 stages and two from 5 (Triton 3.6's TTGIR for sm_90); the sweep's 6-8% for 5
+# stages (38.1 against 41.4 us at 64) did not hold in the engine (decode step's split kernel 37.6 ->
+# 38.8 us at 64 without PDL, batch 256's step 7.49 -> 7.60 ms; bench/RESULTS.md, runs 28-31).
 MAX_SPLITS, MIN_SPLITS, SPLIT_PROGRAMS, ONE_SPLIT_PROGRAMS = 32, 4, 128, 256
 
 
@@ -78,7 +79,7 @@ def launch_config(batch: int, num_heads: int) -> dict:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
     if programs <= 16:
         return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
-    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 5 if programs >= 64 else 2}
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3 if programs >= ONE_SPLIT_PROGRAMS else 2}
 
 
 if triton is not None:
