@@ -371,6 +371,8 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "separate_moe_entry": {"LATENTSERVE_MOE_ENTRY": "0"}, "no_pdl": {"LATENTSERVE_PDL": "0"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
+             # Not a baseline but a candidate: MLA decode's prefetched block tables (mla_decode.launch_config).
+             "mla_prefetch": {"LATENTSERVE_MLA_PREFETCH": "1"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}

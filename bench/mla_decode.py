@@ -3,7 +3,8 @@ the copy bandwidth measured in the same run, for the default launch and, with --
 launch shape (splits, BLOCK_N, warps, stages), and the torch path (gather + two bmm's) as the
 baseline.
 
-    python bench/mla_decode.py [--batches 1 8 64 256] [--context 1024] [--sweep] [--json out.json]
+    python bench/mla_decode.py [--batches 1 8 64 256] [--context 1024] [--sweep [--prefetch]]
+                               [--write-kv] [--in-order] [--json out.json]
 
 Shapes are the `small` preset's (16 heads, kv_lora_rank 512, rope 64, block size 16). Each
 measurement is a CUDA graph of back-to-back calls cycling through enough KV caches that they
@@ -31,27 +32,37 @@ from service.model import mla_decode  # noqa: E402
 HEADS, LAT, PE, BLOCK = 16, 512, 64, 16
 
 
-def case(batch: int, context: int) -> tuple[list, int]:
-    """Variants of (q, cache, block tables, context lens), each cache in shuffled blocks."""
+def case(batch: int, context: int, write_kv: bool = False, shuffled: bool = True) -> tuple[list, int]:
+    """Variants of (q, cache, block tables, context lens, new rows, their slots), each cache in
+    shuffled blocks (a long-running server's) or in order (a fresh engine's, as bench/gpu.py's
+    decode step). write_kv: each sequence's last position arrives as the step's new token, which
+    the kernel writes and attends from registers, as the engine's decode step does."""
     blocks = batch * -(-context // BLOCK)
     nbytes = blocks * BLOCK * (LAT + PE) * 2
     out = []
     for _ in range(max(2, min(24, -(-L2_SAFE // nbytes)))):
         cache = torch.randn(blocks, BLOCK, LAT + PE, device="cuda").to(torch.bfloat16)
-        tables = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
+        order = torch.randperm(blocks, device="cuda") if shuffled else torch.arange(blocks, device="cuda")
+        tables = order.view(batch, -1).to(torch.int32)
         q = torch.randn(batch, HEADS, LAT + PE, device="cuda").to(torch.bfloat16)
         lens = torch.full((batch,), context, device="cuda", dtype=torch.int64)
-        out.append((q, cache, tables, lens))
+        new_kv = new_slots = None
+        if write_kv:
+            last = context - 1
+            new_kv = torch.randn(batch, LAT + PE, device="cuda").to(torch.bfloat16)
+            new_slots = tables[:, last // BLOCK].long() * BLOCK + last % BLOCK
+        out.append((q, cache, tables, lens, new_kv, new_slots))
     return out, nbytes
 
 
 def run(v, splits=None, cfg=None):
-    q, cache, tables, lens = v
-    return mla_decode._mla_decode(q, cache, tables, lens, LAT, 0.07, splits=splits, cfg=cfg)
+    q, cache, tables, lens, new_kv, new_slots = v
+    new = {} if new_kv is None else {"new_kv": new_kv, "new_slots": new_slots}
+    return mla_decode._mla_decode(q, cache, tables, lens, LAT, 0.07, splits=splits, cfg=cfg, **new)
 
 
 def torch_path(v):
-    q, cache, tables, lens = v
+    q, cache, tables, lens = v[:4]
     ctx = cache[tables.long()].view(q.shape[0], -1, LAT + PE)
     p = torch.bmm(q, ctx.transpose(1, 2)).mul_(0.07).softmax(-1)
     return torch.bmm(p, ctx[..., :LAT])
@@ -66,13 +77,16 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2], help="pipeline stages the sweep tries")
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64], help="context tile widths the sweep tries")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warp counts the sweep tries")
+    ap.add_argument("--prefetch", action="store_true", help="the sweep also tries prefetched block tables (PREFETCH_BT)")
+    ap.add_argument("--write-kv", action="store_true", help="the kernel writes and attends each sequence's new token")
+    ap.add_argument("--in-order", action="store_true", help="blocks in order (a fresh engine's), not shuffled")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for b in args.batches:
-        variants, nbytes = case(b, args.context)
+        variants, nbytes = case(b, args.context, args.write_kv, not args.in_order)
         ref = run(variants[0], splits=1)
         t_ours = graph_seconds(run, variants)
         t_torch = graph_seconds(torch_path, variants[:2])
@@ -82,10 +96,12 @@ def main() -> None:
                "default": default}
         if args.sweep:
             best, tried = (t_ours, default), []
-            for splits, bn, warps, stages in itertools.product(args.splits, args.block_n, args.warps, args.stages):
+            prefetch = (False, True) if args.prefetch else (False,)
+            space = itertools.product(args.splits, args.block_n, args.warps, args.stages, prefetch)
+            for splits, bn, warps, stages, pf in space:
                 if b * splits > 8192:
                     continue
-                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PREFETCH_BT": pf}
                 try:
                     err = (run(variants[0], splits, cfg) - ref).abs().max().item()
                     t = graph_seconds(lambda v: run(v, splits, cfg), variants, reps=2)  # noqa: B023

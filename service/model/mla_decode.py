@@ -75,6 +75,11 @@ def num_splits(batch: int, num_heads: int) -> int:
 
 def launch_config(batch: int, num_heads: int) -> dict:
     programs = _programs(batch, num_heads)
+    if programs >= 64 and os.environ.get("LATENTSERVE_MLA_PREFETCH", "0") == "1":
+        # Not measured yet (bench/gpu.py's `mla_prefetch` variant): 16-token tiles keep a program
+        # at 168 registers (255 at 32 with the KV write), so 3 programs an SM (72.5 KB of shared
+        # memory each), each with 3 KV tiles in flight (Triton 3.6, compiled for sm_90).
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True}
     if programs <= 2:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
     if programs <= 16:
@@ -93,12 +98,15 @@ if triton is not None:
                           num_heads, scale,
                           BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr):
         """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) is attended
         from registers after the loop, and written to its slot (head block 0), by the one program
         whose split holds its position: the KV write needs no kernel of its own. The loop stops
         before that position and stays as it is (substituting the row inside the pipelined tile
-        loads cost 36 KB more shared memory a program, compiled for sm_90)."""
+        loads cost 36 KB more shared memory a program, compiled for sm_90).
+        PREFETCH_BT: each step loads the next tile's block-table entries, so the KV tile's address
+        comes from the step before and Triton's pipeline gives the KV tile num_stages - 1 buffers
+        (one at 2-4 stages otherwise: the block-table load took the first stages)."""
         pdl.enter(PDL)
         b = tl.program_id(0)
         hblk = tl.program_id(1)
@@ -124,10 +132,19 @@ if triton is not None:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+        if PREFETCH_BT:
+            offs_next = start + tl.arange(0, BLOCK_N)
+            blk_next = tl.load(bt_ptr + b * stride_bt + offs_next // BLOCK_SIZE, mask=offs_next < loop_end, other=0)
         for n0 in range(start, loop_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             nmask = offs < loop_end
-            blk = tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=nmask, other=0)
+            if PREFETCH_BT:
+                blk = blk_next
+                offs_next = offs + BLOCK_N
+                blk_next = tl.load(bt_ptr + b * stride_bt + offs_next // BLOCK_SIZE, mask=offs_next < loop_end,
+                                   other=0)
+            else:
+                blk = tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=nmask, other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
             # Masked loads give 0 for slots past the context: they may hold NaN (poisoned pages).
             k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
@@ -241,7 +258,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_lat.device)
     ieee = q_lat.dtype == torch.float32
-    launch = {**launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}), **(cfg or {})}
+    launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}), **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
     write = new_kv is not None
     if write:

@@ -86,3 +86,42 @@ def test_split_count_depends_on_batch_only():
     # 5, 13 or 40 decodes reuse what the decode graphs' batches compiled.
     counts = {mla_decode.num_splits(b, 16) for b in range(1, 300)}
     assert counts == {32, 16, 8, 4, 1}, counts
+
+
+@pytest.mark.parametrize("write", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefetched_block_tables_match_reference(dtype, tol, write):
+    """The LATENTSERVE_MLA_PREFETCH launch (next tile's block-table entries loaded a step ahead),
+    reading the cache and writing each sequence's new token itself, over contexts that end
+    mid-tile, with one split and with four."""
+    if INTERPRET and dtype != torch.float32:
+        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
+    lora, rope, block_size, batch, heads = 64, 16, 16, 5, 16
+    q, kv, tables, ctx, ctx_list = case(11, batch, heads, lora, rope, block_size, dtype, 90)
+    scale = (lora + rope) ** -0.5
+    new = {}
+    if write:  # the last position of each context arrives as the step's new token
+        g = torch.Generator().manual_seed(3)
+        rows = torch.randn(batch, lora + rope, generator=g).to(DEVICE, dtype)
+        slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                              for i, n in enumerate(ctx_list)]).to(DEVICE)
+        new = {"new_kv": rows, "new_slots": slots}
+    expected_kv = kv.clone()
+    if write:
+        expected_kv.view(-1, lora + rope)[new["new_slots"]] = new["new_kv"]
+    ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
+    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True}
+    for splits in (1, 4):
+        cache = kv.clone()
+        out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
+        assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
+        err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < tol, f"{splits} splits: relative error {err:.2e}"
+        assert torch.equal(cache.nan_to_num(), expected_kv.nan_to_num()), "the cache holds other rows than expected"
+
+
+def test_prefetch_launch_is_opt_in(monkeypatch):
+    assert "PREFETCH_BT" not in mla_decode.launch_config(64, 16)
+    monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "1")
+    assert mla_decode.launch_config(64, 16)["PREFETCH_BT"] is True
+    assert "PREFETCH_BT" not in mla_decode.launch_config(8, 16)  # few programs: the split table's shapes
