@@ -373,6 +373,9 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
              # Not a baseline but a candidate: MLA decode's prefetched block tables (mla_decode.launch_config).
              "mla_prefetch": {"LATENTSERVE_MLA_PREFETCH": "1"},
+             # A candidate too: router logits on cuBLAS from 128 tokens (the Triton kernel re-reads the
+             # router weight per token: 14 us a layer at batch 256, bench/RESULTS.md run 29).
+             "route_cublas_128": {"LATENTSERVE_ROUTE_MAX_TOKENS": "128"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}
