@@ -17,7 +17,6 @@ import functools
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -25,6 +24,8 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from gpu import copy_bandwidth  # noqa: E402
 
 from service.model import gemv, moe_kernels, pdl  # noqa: E402
 
@@ -34,24 +35,6 @@ SHAPES = [("fused_qkv_a", 1344, 2048), ("q_b", 3072, 768), ("o_proj", 2048, 2048
           ("latent_up", 2048, 1024), ("shared_gate_up", 1536, 2048), ("shared_down", 2048, 768),
           ("mlp_gate_up", 11264, 2048), ("mlp_down", 2048, 5632), ("lm_head", 32768, 2048)]
 L2_SAFE = 256 << 20
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
-    """Bytes read + written per second of a device-to-device copy, launched eagerly (median), as
-    bench/gpu.py measures it. Not in a CUDA graph: captured, the copy is a memcpy node, which the
-    H200 ran at 2.75 TB/s against 4.2 TB/s for the same copy launched eagerly (2026-12-04), so
-    every ratio against it read ~1.5x too high."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times[2:])
 
 
 def graph_seconds(fn, variants: list, reps: int = 3) -> float:
@@ -205,7 +188,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemv.py needs a CUDA GPU")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     print(json.dumps({"copy_bandwidth_TBps": bw / 1e12, "device": torch.cuda.get_device_name()}), flush=True)
     rows = bench_gemv(args.rows, args.sweep, bw, args.shapes)
     if not args.skip_experts:

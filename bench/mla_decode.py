@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gemv import L2_SAFE, copy_bandwidth, graph_seconds  # noqa: E402
+from gemv import L2_SAFE, graph_seconds  # noqa: E402
+from gpu import copy_bandwidth  # noqa: E402
 
 from service.model import mla_decode  # noqa: E402
 
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--in-order", action="store_true", help="blocks in order (a fresh engine's), not shuffled")
     ap.add_argument("--json")
     args = ap.parse_args()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for b in args.batches:

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gemv import copy_bandwidth  # noqa: E402
+from gpu import copy_bandwidth  # noqa: E402
 
 from service.config import PRESETS  # noqa: E402
 from service.model import moe_grouped  # noqa: E402
@@ -90,7 +90,7 @@ def main() -> None:
     with torch.no_grad():
         for p in ex.parameters():
             p.normal_(0, p.shape[-1] ** -0.5)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth (read + write) "
           f"{bw / 1e12:.2f} TB/s; experts {ex.w13.shape[0]} x (w13 {tuple(ex.w13.shape[1:])}, w2 {tuple(ex.w2.shape[1:])}), "
           f"top {cfg.num_experts_per_tok}, bf16")
