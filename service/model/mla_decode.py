@@ -89,6 +89,11 @@ def launch_config(batch: int, num_heads: int) -> dict:
 
 if triton is not None:
 
+    @triton.jit
+    def _block_ids(bt_ptr, b, stride_bt, offs, end, BLOCK_SIZE: tl.constexpr):
+        """The cache blocks holding sequence b's positions offs (0 from `end` on)."""
+        return tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=offs < end, other=0)
+
     # stride_bt is the block tables' width, which in a mixed step follows its decodes' longest
     # context: specialized (== 1, % 16), each new class was a compile of ~0.25 s inside a served step.
     @triton.jit(do_not_specialize=["stride_bt"])
@@ -133,18 +138,15 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
         if PREFETCH_BT:
-            offs_next = start + tl.arange(0, BLOCK_N)
-            blk_next = tl.load(bt_ptr + b * stride_bt + offs_next // BLOCK_SIZE, mask=offs_next < loop_end, other=0)
+            blk_next = _block_ids(bt_ptr, b, stride_bt, start + tl.arange(0, BLOCK_N), loop_end, BLOCK_SIZE)
         for n0 in range(start, loop_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             nmask = offs < loop_end
             if PREFETCH_BT:
                 blk = blk_next
-                offs_next = offs + BLOCK_N
-                blk_next = tl.load(bt_ptr + b * stride_bt + offs_next // BLOCK_SIZE, mask=offs_next < loop_end,
-                                   other=0)
+                blk_next = _block_ids(bt_ptr, b, stride_bt, offs + BLOCK_N, loop_end, BLOCK_SIZE)
             else:
-                blk = tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=nmask, other=0)
+                blk = _block_ids(bt_ptr, b, stride_bt, offs, loop_end, BLOCK_SIZE)
             slot = blk.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
             # Masked loads give 0 for slots past the context: they may hold NaN (poisoned pages).
             k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
