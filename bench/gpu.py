@@ -373,11 +373,14 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "separate_moe_entry": {"LATENTSERVE_MOE_ENTRY": "0"}, "no_pdl": {"LATENTSERVE_PDL": "0"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
-             # Not a baseline but a candidate: MLA decode's prefetched block tables (mla_decode.launch_config).
-             "mla_prefetch": {"LATENTSERVE_MLA_PREFETCH": "1"},
-             # A candidate too: router logits on cuBLAS from 128 tokens (the Triton kernel re-reads the
-             # router weight per token: 14 us a layer at batch 256, bench/RESULTS.md run 29).
+             # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).
+             "mla_no_prefetch": {"LATENTSERVE_MLA_PREFETCH": "0"},
+             # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
+             "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
+             # A candidate: router logits on cuBLAS from 128 tokens (run 34: 0.99x at batch 256).
              "route_cublas_128": {"LATENTSERVE_ROUTE_MAX_TOKENS": "128"},
+             # A candidate: the GEMV's tensor-core tiles for 2-16 rows instead of cuBLAS (gemv.dot_config).
+             "gemv_16_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "16"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}

@@ -218,7 +218,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     # Small M (decode): narrow N tiles so even one token spreads the weight over many SMs.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
-    if m <= gemv.max_rows():  # decode rows: bandwidth-shaped, no tensor-core tiles
+    if m == 1 and gemv.max_rows() >= 1:  # one decode row: bandwidth-shaped, no tensor-core tiles
         cfg = gemv.config(m, n, k, gemv.sm_count(x.device), max_k=1024)
         block_k = cfg["BLOCK_K"]
         _gemv_fp8_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](

@@ -95,21 +95,31 @@ def block_n(n: int, sms: int = 132) -> int:
 if triton is not None:
 
     @triton.jit
-    def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, start, K, stride_x, stride_w, BLOCK_K: tl.constexpr):
+    def _product(acc, xv, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+        """acc + xv @ w^T: on tensor cores (DOT, rows padded to 16; 16-bit products are exact in
+        the fp32 sums, fp32 ones IEEE), or as a register product (one row: no padding to pay)."""
+        if DOT:
+            if IEEE:
+                return tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
+            return tl.dot(xv, tl.trans(w), acc)
+        return acc + tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+
+    @triton.jit
+    def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, start, K, stride_x, stride_w, BLOCK_K: tl.constexpr,
+                    DOT: tl.constexpr, IEEE: tl.constexpr):
         for k0 in range(start, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
-                         other=0.0).to(tl.float32)
-            acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc = _product(acc, xv, w, DOT, IEEE)
         return acc
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
                      stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR: tl.constexpr, PDL: tl.constexpr):
+                     PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum).
 
         The first weight tile is requested before the PDL wait: no kernel of the step writes
@@ -124,10 +134,10 @@ if triton is not None:
                      other=0.0)
         pdl.enter(PDL)
         xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-        acc = tl.sum(xv.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :], 2)
-        acc = _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K)
+        acc = _product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, DOT, IEEE)
+        acc = _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE)
         if PAIR:
-            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K)
+            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
@@ -170,14 +180,27 @@ if triton is not None:
         bk = max(64, min(max_k, 8192 // (bm * bn), triton.next_power_of_2(k)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
 
+    def dot_config(n: int, k: int, sms: int) -> dict:
+        """Launch shape for 2-16 rows: the rows padded to one 16-row tensor-core tile, so a
+        weight tile costs the same registers at 16 rows as at 2 (the register product's grow
+        with the rows: 2-4x slower than cuBLAS at 8, 2026-12-03). Not yet swept."""
+        return {"BLOCK_N": max(16, block_n(n, sms)), "BLOCK_K": max(16, min(256, triton.next_power_of_2(k))),
+                "num_warps": 4, "num_stages": 4, "DOT": True}
+
+    def shape(m: int, n: int, k: int, sms: int) -> dict:
+        return config(m, n, k, sms) if m == 1 else dot_config(n, k, sms)
+
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict,
                pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         m, k = x2.shape
         n = weight.shape[0]
         xb, wb = pair if pair is not None else (x2, weight)
+        cfg = {"DOT": False, **cfg}
+        block_m = max(16, triton.next_power_of_2(m)) if cfg["DOT"] else triton.next_power_of_2(m)
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
-            wb.stride(0), BLOCK_M=triton.next_power_of_2(m), PAIR=pair is not None, **cfg, **pdl.launch(x2.device))
+            wb.stride(0), BLOCK_M=block_m, PAIR=pair is not None, IEEE=x2.dtype == torch.float32, **cfg,
+            **pdl.launch(x2.device))
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""
@@ -189,7 +212,7 @@ if triton is not None:
         x2 = _rows(x)
         m, n = x2.shape[0], weight.shape[0]
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        launch(x2, weight, y, config(m, n, k, sm_count(x.device)))
+        launch(x2, weight, y, shape(m, n, k, sm_count(x.device)))
         return y.view(*x.shape[:-1], n)
 
     def _gated(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float, linear_beta: float | None):
@@ -223,7 +246,7 @@ if triton is not None:
         down-projection at TP 1) in one launch, summed in fp32."""
         a, b = _rows(x), _rows(x2)
         y = torch.empty(a.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        launch(a, weight, y, config(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device)),
+        launch(a, weight, y, shape(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device)),
                pair=(b, weight2))
         return y
 

@@ -75,16 +75,17 @@ def num_splits(batch: int, num_heads: int) -> int:
 
 def launch_config(batch: int, num_heads: int) -> dict:
     programs = _programs(batch, num_heads)
-    if programs >= 64 and os.environ.get("LATENTSERVE_MLA_PREFETCH", "0") == "1":
-        # Not measured yet (bench/gpu.py's `mla_prefetch` variant): 16-token tiles keep a program
-        # at 168 registers (255 at 32 with the KV write), so 3 programs an SM (72.5 KB of shared
-        # memory each), each with 3 KV tiles in flight (Triton 3.6, compiled for sm_90).
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True}
     if programs <= 2:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
     if programs <= 16:
         return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
-    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3 if programs >= ONE_SPLIT_PROGRAMS else 2}
+    if os.environ.get("LATENTSERVE_MLA_PREFETCH", "1") == "0":  # the measured table before it (a baseline)
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3 if programs >= ONE_SPLIT_PROGRAMS else 2}
+    # Block tables a step ahead, so the KV tile gets 2 buffers at 3 stages (91 KB of shared
+    # memory, 255 registers, 2 programs an SM): the sweep with the KV write and in-order blocks
+    # (run 34, 2026-12-04) 41.1 -> 34.8 us at 64 sequences, 121.6 -> 98.2 us at 256. 16-token
+    # tiles at 4 stages (3 buffers, 3 programs an SM) lost in the engine: batch 256 1.10x slower.
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "PREFETCH_BT": True}
 
 
 if triton is not None:

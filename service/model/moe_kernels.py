@@ -75,6 +75,14 @@ def route_max_tokens() -> int:
     return int(os.environ.get("LATENTSERVE_ROUTE_MAX_TOKENS", "512"))
 
 
+def tiled_logits_tokens() -> int:
+    """From this many tokens the router's logits come from token tiles on tensor cores: the
+    per-token kernel re-reads the weight for every token (14 us a layer at 256 tokens on the
+    H200, bench/RESULTS.md run 29). LATENTSERVE_ROUTE_TILED_TOKENS (a huge value: the bench's
+    `per_token_router` baseline)."""
+    return int(os.environ.get("LATENTSERVE_ROUTE_TILED_TOKENS", "64"))
+
+
 def select_supported(x: torch.Tensor, num_experts: int, n_group: int) -> bool:
     """The selection kernel (`route_select`) at any token count: one program per token, so prefill
     pays ~2 launches for what the torch chain does in ~10 (three top-k's among them: 7.4 of 62 ms
@@ -116,6 +124,29 @@ if triton is not None:
                          other=0.0).to(tl.float32)
             acc += wv * xv[None, :]
         tl.store(logits_ptr + t * stride_l + e, tl.sum(acc, 1), mask=emask)
+
+    @triton.jit
+    def _router_logits_tiled_kernel(x_ptr, w_ptr, logits_ptr, M, hidden, num_experts, stride_x, stride_w, stride_l,
+                                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    IEEE: tl.constexpr, PDL: tl.constexpr):
+        """Program (tile of tokens, block of experts): the router's weight is read once per token
+        tile, not once per token. 16-bit inputs multiply exactly into the fp32 sums (the logits of
+        F.linear(x.float(), w.float()) up to summation order); fp32 inputs take IEEE products."""
+        pdl.enter(PDL)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        tmask, emask = t < M, e < num_experts
+        acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < hidden
+            xv = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+            wv = tl.load(w_ptr + e[:, None] * stride_w + k[None, :], mask=emask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xv, tl.trans(wv), acc)
+        tl.store(logits_ptr + t[:, None] * stride_l + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
 
     @triton.jit
     def _route_select_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
@@ -241,10 +272,17 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: i
     # still stream through many SMs, not one.
     # 4 experts per program, 1024 of the hidden per load: few dependent loads per program (16
     # experts x 256 per load spent 16 us per layer at batch 1 on the H200, latency-bound).
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _router_logits_kernel[(m, triton.cdiv(num_experts, 4))](
-        x, weight, logits, hidden, num_experts, x.stride(0), weight.stride(0), logits.stride(0),
-        BLOCK_E=4, BLOCK_H=block_h, num_warps=4, **pdl.launch(x.device))
+    if m >= tiled_logits_tokens() and x.dtype == weight.dtype:
+        # 16 x 16 tiles (tl.dot's least): at 256 tokens and 64 experts 64 programs, not 4096.
+        _router_logits_tiled_kernel[(triton.cdiv(m, 16), triton.cdiv(num_experts, 16))](
+            x, weight, logits, m, hidden, num_experts, x.stride(0), weight.stride(0), logits.stride(0),
+            BLOCK_T=16, BLOCK_E=16, BLOCK_K=min(256, max(16, triton.next_power_of_2(hidden))),
+            IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3, **pdl.launch(x.device))
+    else:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        _router_logits_kernel[(m, triton.cdiv(num_experts, 4))](
+            x, weight, logits, hidden, num_experts, x.stride(0), weight.stride(0), logits.stride(0),
+            BLOCK_E=4, BLOCK_H=block_h, num_warps=4, **pdl.launch(x.device))
     _select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
     return weights, ids
 

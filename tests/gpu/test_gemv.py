@@ -23,11 +23,14 @@ SHAPES = [(1344, 2048), (100, 96), (1024, 768)] if INTERPRET else [
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_matches_reference(n, k, m, dtype, monkeypatch):
-    """The kernel at every row count it may be turned on for (LATENTSERVE_GEMV_MAX_ROWS)."""
-    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "8")
+    """The kernel at every row count it may be turned on for (LATENTSERVE_GEMV_MAX_ROWS): the
+    register product at one row, tensor-core tiles from two."""
+    if INTERPRET and dtype != torch.float32 and m > 1:
+        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "16")
     g = torch.Generator().manual_seed(n * 7 + k + m)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
@@ -91,19 +94,23 @@ def test_gated_gemv_matches_act_and_mul(act, beta, linear_beta, m, dtype):
     torch.testing.assert_close(h.double(), torch_path.double(), atol=tol * 4, rtol=tol * 4)
 
 
+@pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k,k2", [(2048, 1024, 768), (100, 96, 40)])
-def test_gemv_pair_sums_two_projections(n, k, k2, dtype):
+def test_gemv_pair_sums_two_projections(n, k, k2, dtype, m, monkeypatch):
     """x @ w^T + x2 @ w2^T in one launch: fp32 sums of both, one rounding."""
+    if INTERPRET and dtype != torch.float32 and m > 1:
+        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "16")
     g = torch.Generator().manual_seed(n + k2)
-    x, x2 = torch.randn(1, k, generator=g).to(DEVICE, dtype), torch.randn(1, k2, generator=g).to(DEVICE, dtype)
+    x, x2 = torch.randn(m, k, generator=g).to(DEVICE, dtype), torch.randn(m, k2, generator=g).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
     w2 = (torch.randn(n, k2, generator=g) / k2 ** 0.5).to(DEVICE, dtype)
     assert gemv.pair_supported(x, w, x2, w2)
     y = torch.ops.latentserve.gemv_pair(x, w, x2, w2)
     ref = x.double() @ w.double().t() + x2.double() @ w2.double().t()
     tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
-    assert y.shape == (1, n) and y.dtype == dtype
+    assert y.shape == (m, n) and y.dtype == dtype
     torch.testing.assert_close(y.double(), ref, atol=tol * 4, rtol=tol)
     assert not gemv.pair_supported(x, w, x2, w2[:-1])  # different widths
 

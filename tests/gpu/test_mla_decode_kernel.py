@@ -5,6 +5,7 @@ Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernel i
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -91,7 +92,8 @@ def test_split_count_depends_on_batch_only():
 @pytest.mark.parametrize("write", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefetched_block_tables_match_reference(dtype, tol, write):
-    """The LATENTSERVE_MLA_PREFETCH launch (next tile's block-table entries loaded a step ahead),
+    """The prefetching launches (next tile's block-table entries loaded a step ahead): the
+    default's 32-token tiles at 3 stages and 16-token tiles at 4,
     reading the cache and writing each sequence's new token itself, over contexts that end
     mid-tile, with one split and with four."""
     if INTERPRET and dtype != torch.float32:
@@ -110,18 +112,18 @@ def test_prefetched_block_tables_match_reference(dtype, tol, write):
     if write:
         expected_kv.view(-1, lora + rope)[new["new_slots"]] = new["new_kv"]
     ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
-    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True}
-    for splits in (1, 4):
+    for cfg, splits in itertools.product([mla_decode.launch_config(64, heads),
+                                          {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True}], (1, 4)):
         cache = kv.clone()
         out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
         assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < tol, f"{splits} splits: relative error {err:.2e}"
+        assert err < tol, f"{cfg}, {splits} splits: relative error {err:.2e}"
         assert torch.equal(cache.nan_to_num(), expected_kv.nan_to_num()), "the cache holds other rows than expected"
 
 
-def test_prefetch_launch_is_opt_in(monkeypatch):
-    assert "PREFETCH_BT" not in mla_decode.launch_config(64, 16)
-    monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "1")
+def test_prefetch_launch_is_the_default_from_17_programs(monkeypatch):
     assert mla_decode.launch_config(64, 16)["PREFETCH_BT"] is True
     assert "PREFETCH_BT" not in mla_decode.launch_config(8, 16)  # few programs: the split table's shapes
+    monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "0")  # bench/gpu.py's mla_no_prefetch baseline
+    assert "PREFETCH_BT" not in mla_decode.launch_config(64, 16)
