@@ -377,10 +377,11 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "mla_no_prefetch": {"LATENTSERVE_MLA_PREFETCH": "0"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
-             # A candidate: router logits on cuBLAS from 128 tokens (run 34: 0.99x at batch 256).
-             "route_cublas_128": {"LATENTSERVE_ROUTE_MAX_TOKENS": "128"},
-             # A candidate: the GEMV's tensor-core tiles for 2-16 rows instead of cuBLAS (gemv.dot_config).
-             "gemv_16_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "16"},
+             # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before
+             # the tensor-core tiles (gemv.dot_config).
+             "gemv_1_row": {"LATENTSERVE_GEMV_MAX_ROWS": "1"},
+             # A candidate: the GEMV's tensor-core tiles up to 64 rows.
+             "gemv_64_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "64"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}

@@ -35,10 +35,11 @@ GUARD = KernelGuard("gemv")  # a first-call failure turns the GEMVs off: cuBLAS 
 
 
 def max_rows() -> int:
-    """Up to this many rows the GEMV runs (LATENTSERVE_GEMV_MAX_ROWS; 0 turns it off: the
-    bench's cuBLAS baseline). One by default: at 8 rows the register-tile reduction is 2-4x
-    slower than cuBLAS on the H200 (bench/gemv.py, 2026-12-03), at 1 row it is faster or even."""
-    return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "1"))
+    """Up to this many rows the GEMV runs (LATENTSERVE_GEMV_MAX_ROWS; 1: the register product
+    only, 0: cuBLAS throughout, the bench's baselines). 16 by default: from 2 rows it runs on
+    tensor-core tiles, faster than cuBLAS at every projection of a decoder layer (bench/gemv.py
+    run 35, 2026-12-04: e.g. fused_qkv_a at 8 rows 4.5 us, cuBLAS 6.2; batch 8's step 0.92x)."""
+    return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "16"))
 
 
 # Above this many weight elements cuBLAS streams at ~3.7 TB/s (lm_head: 36 us for 134 MB at one
@@ -180,15 +181,19 @@ if triton is not None:
         bk = max(64, min(max_k, 8192 // (bm * bn), triton.next_power_of_2(k)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
 
-    def dot_config(n: int, k: int, sms: int) -> dict:
-        """Launch shape for 2-16 rows: the rows padded to one 16-row tensor-core tile, so a
-        weight tile costs the same registers at 16 rows as at 2 (the register product's grow
-        with the rows: 2-4x slower than cuBLAS at 8, 2026-12-03). Not yet swept."""
-        return {"BLOCK_N": max(16, block_n(n, sms)), "BLOCK_K": max(16, min(256, triton.next_power_of_2(k))),
-                "num_warps": 4, "num_stages": 4, "DOT": True}
+    def dot_config(m: int, n: int, k: int, sms: int, itemsize: int) -> dict:
+        """Launch shape from 2 rows: the rows padded to a 16-row (or larger) tensor-core tile, so a
+        weight tile costs the same registers at 16 rows as at 2 (the register product's grow with
+        the rows: 18.7 us at 8 rows where cuBLAS took 6.2). K steps shrink until a stage's x and
+        weight tiles fit 48 KB (4 stages in the H200's 227 KB of shared memory)."""
+        bm, bn = max(16, triton.next_power_of_2(m)), max(16, block_n(n, sms))
+        bk = max(16, min(256, triton.next_power_of_2(k)))
+        while bk > 32 and (bm + bn) * bk * itemsize > 48 * 1024:
+            bk //= 2
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4, "DOT": True}
 
-    def shape(m: int, n: int, k: int, sms: int) -> dict:
-        return config(m, n, k, sms) if m == 1 else dot_config(n, k, sms)
+    def shape(m: int, n: int, k: int, sms: int, itemsize: int = 2) -> dict:
+        return config(m, n, k, sms) if m == 1 else dot_config(m, n, k, sms, itemsize)
 
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict,
                pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -212,7 +217,7 @@ if triton is not None:
         x2 = _rows(x)
         m, n = x2.shape[0], weight.shape[0]
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        launch(x2, weight, y, shape(m, n, k, sm_count(x.device)))
+        launch(x2, weight, y, shape(m, n, k, sm_count(x.device), x.element_size()))
         return y.view(*x.shape[:-1], n)
 
     def _gated(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float, linear_beta: float | None):
@@ -246,8 +251,8 @@ if triton is not None:
         down-projection at TP 1) in one launch, summed in fp32."""
         a, b = _rows(x), _rows(x2)
         y = torch.empty(a.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        launch(a, weight, y, shape(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device)),
-               pair=(b, weight2))
+        launch(a, weight, y, shape(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device),
+                                   x.element_size()), pair=(b, weight2))
         return y
 
     @gemv_pair.register_fake

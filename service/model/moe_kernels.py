@@ -77,10 +77,10 @@ def route_max_tokens() -> int:
 
 def tiled_logits_tokens() -> int:
     """From this many tokens the router's logits come from token tiles on tensor cores: the
-    per-token kernel re-reads the weight for every token (14 us a layer at 256 tokens on the
-    H200, bench/RESULTS.md run 29). LATENTSERVE_ROUTE_TILED_TOKENS (a huge value: the bench's
-    `per_token_router` baseline)."""
-    return int(os.environ.get("LATENTSERVE_ROUTE_TILED_TOKENS", "64"))
+    per-token kernel re-reads the weight for every token (14.4 us a layer at 256 tokens on the
+    H200, the tiles 5.6; batch 256's step 1.02x, batch 64's 0.99x: run 35, 2026-12-04).
+    LATENTSERVE_ROUTE_TILED_TOKENS (a huge value: the bench's `per_token_router` baseline)."""
+    return int(os.environ.get("LATENTSERVE_ROUTE_TILED_TOKENS", "128"))
 
 
 def select_supported(x: torch.Tensor, num_experts: int, n_group: int) -> bool:

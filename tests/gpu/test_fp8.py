@@ -39,9 +39,9 @@ def quantized(n: int, k: int, g: torch.Generator, block=(128, 128), experts: int
 @pytest.mark.parametrize("m,gemv_rows", [(1, "8"), (8, "8"), (1, "0"), (8, "0"), (64, "8"), (300, "8")])
 @pytest.mark.parametrize("n,k", [(256, 512), (200, 300), (576, 2048)])
 def test_linear_kernel_matches_dequantized_reference(m, gemv_rows, n, k, monkeypatch):
-    """W8A16 at every M: the FP8 GEMV up to LATENTSERVE_GEMV_MAX_ROWS rows (0: the tensor-core
-    kernel at 1 and 8 rows too), the dequantizing tensor-core kernel above (W8A8 kept off here:
-    it has its own test)."""
+    """W8A16 at every M: the FP8 GEMV at one row (LATENTSERVE_GEMV_MAX_ROWS 0: the tensor-core
+    kernel there too), the dequantizing tensor-core kernel from 2 rows (W8A8 kept off here: it
+    has its own test)."""
     monkeypatch.setenv("LATENTSERVE_FP8_W8A8_MIN_ROWS", "1000000")
     monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", gemv_rows)
     g = torch.Generator().manual_seed(m * 7 + n + k)

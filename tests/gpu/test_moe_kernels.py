@@ -45,7 +45,7 @@ def test_route_matches_torch(experts, top_k, n_group, topk_group, softmax, norm)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,experts,n_group,topk_group", [(64, 64, 8, 4), (300, 896, 1, 1), (70, 48, 1, 1)])
+@pytest.mark.parametrize("m,experts,n_group,topk_group", [(128, 64, 8, 4), (300, 896, 1, 1), (130, 48, 1, 1)])
 def test_token_tiled_router_logits_match_torch(monkeypatch, dtype, m, experts, n_group, topk_group):
     """From tiled_logits_tokens() tokens the logits come from 16 x 16 token/expert tiles (token
     counts and expert counts that end mid-tile, a hidden size that ends mid-step): the same
