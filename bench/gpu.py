@@ -380,8 +380,8 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before
              # the tensor-core tiles (gemv.dot_config).
              "gemv_1_row": {"LATENTSERVE_GEMV_MAX_ROWS": "1"},
-             # A candidate: the GEMV's tensor-core tiles up to 64 rows.
-             "gemv_64_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "64"},
+             # The GEMV's tensor-core tiles up to 16 rows only, cuBLAS above (run 35's default).
+             "gemv_16_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "16"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}

@@ -36,10 +36,11 @@ GUARD = KernelGuard("gemv")  # a first-call failure turns the GEMVs off: cuBLAS 
 
 def max_rows() -> int:
     """Up to this many rows the GEMV runs (LATENTSERVE_GEMV_MAX_ROWS; 1: the register product
-    only, 0: cuBLAS throughout, the bench's baselines). 16 by default: from 2 rows it runs on
-    tensor-core tiles, faster than cuBLAS at every projection of a decoder layer (bench/gemv.py
-    run 35, 2026-12-04: e.g. fused_qkv_a at 8 rows 4.5 us, cuBLAS 6.2; batch 8's step 0.92x)."""
-    return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "16"))
+    only, 0: cuBLAS throughout, the bench's baselines). 64 by default: from 2 rows it runs on
+    tensor-core tiles, faster than cuBLAS at every projection of a decoder layer (bench/gemv.py,
+    run 35, 2026-12-04: e.g. fused_qkv_a at 8 rows 4.5 us, cuBLAS 6.2); decode steps against
+    cuBLAS from 2 rows: batch 8 0.93x, batch 64 0.98x (runs 35-36)."""
+    return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "64"))
 
 
 # Above this many weight elements cuBLAS streams at ~3.7 TB/s (lm_head: 36 us for 134 MB at one
