@@ -41,6 +41,8 @@ BLOCK_H = 16  # tl.dot needs at least 16 rows; fewer heads are masked
 # one buffer at 3-4 stages and two from 5 (Triton 3.6's TTGIR for sm_90); the sweep's 6-8% for 5
 # stages (38.1 against 41.4 us at 64) did not hold in the engine (decode step's split kernel 37.6 ->
 # 38.8 us at 64 without PDL, batch 256's step 7.49 -> 7.60 ms; bench/RESULTS.md, runs 28-31).
+# Prefetching the block table (PREFETCH_BT) gives the tile 2 buffers at 3 stages: that held in
+# the engine (runs 34-37: split kernel 112 -> 95 us at 256, steps 1.03x at 64 and 1.06x at 256).
 MAX_SPLITS, MIN_SPLITS, SPLIT_PROGRAMS, ONE_SPLIT_PROGRAMS = 32, 4, 128, 256
 
 
