@@ -5,7 +5,8 @@ are in flight. cuBLAS picks tensor-core tiles for these shapes (nvjet 64x8, 16x6
 leave most of the H200's bandwidth unused: the profile in bench/RESULTS.md shows the dense
 projections at ~0.9 TB/s, 40% of a batch-1 step. Here each program owns a few output rows
 (BLOCK_N, chosen so the grid covers every SM twice) and streams them over K with fp32
-accumulation; the M rows of x are re-read from L1/L2, never from HBM twice. No split-K, so
+accumulation; the M rows of x are re-read from L1/L2, never from HBM twice. One row multiplies
+in registers; from two rows the rows are padded to a tensor-core tile (`dot_config`). No split-K, so
 no atomics and no second kernel: results are deterministic, and equal between a CUDA graph
 replay and an eager call.
 

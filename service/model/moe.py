@@ -242,9 +242,9 @@ class MoE(nn.Module):
         return self.routed_expert_norm.weight if self.routed_expert_norm is not None else None
 
     def _one_rank_tail(self, routed: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
-        """TP 1, one token: the latent's up-projection and the shared experts' down-projection
-        land in the same rows, so one GEMV launch sums both (tail.unfused_tail's math, with the
-        sum rounded once); None where it does not apply."""
+        """TP 1, up to gemv.max_rows() tokens: the latent's up-projection and the shared experts'
+        down-projection land in the same rows, so one GEMV launch sums both (tail.unfused_tail's
+        math, with the sum rounded once); None where it does not apply."""
         down = self.shared_experts.down_proj
         if self.tp.world_size != 1 or getattr(down, "weight_scale_inv", None) is not None:
             return None
