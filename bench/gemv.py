@@ -79,12 +79,16 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
         t_ours = graph_seconds(lambda w: gemv.launch(x, w, y, cfg), ws)  # noqa: B023 - called at once
         row = {"name": name, "m": m, "n": n, "k": k, "cublas_us": t_cublas * 1e6, "ours_us": t_ours * 1e6,
                "ours_vs_cublas": t_cublas / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw, "config": cfg}
+        if m == 1:  # the whole K of a program's rows in one step: all of its weights before the PDL wait
+            whole = gemv.config(m, n, k, sms, max_k=2048)
+            row["whole_k_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, whole), ws) * 1e6  # noqa: B023
         if cfg.get("DOT"):  # the register product these rows ran as before the tensor-core tiles
             product = gemv.config(m, n, k, sms)
             row["product_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, product), ws) * 1e6  # noqa: B023
         if sweep:
             best = (t_ours, cfg)
-            for bn, bk, warps, stages in itertools.product((8, 16, 32, 64), (64, 128, 256, 512), (4, 8), (3, 4, 5)):
+            for bn, bk, warps, stages in itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024, 2048), (4, 8),
+                                                          (3, 4, 5)):
                 c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "DOT": m > 1}
                 rows_tile = max(16, triton_pow2(m)) if m > 1 else 1
                 if (m > 1 and bn < 16) or triton_cdiv(n, bn) < sms // 2 or rows_tile * bn * bk > 32768 * (4 if m > 1 else 1):

@@ -173,10 +173,14 @@ if triton is not None:
         h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
         tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
 
-    def config(m: int, n: int, k: int, sms: int, max_k: int = 512) -> dict:
+    def config(m: int, n: int, k: int, sms: int, max_k: int | None = None) -> dict:
         """Launch shape for [m, k] x [n, k]^T: the best of bench/gemv.py --sweep at one row on the
         H200 (2026-12-03: 512-wide K steps, 4-8 rows per program, within 0.5 us of the best).
-        FP8 rows (fp8.py) pass a larger max_k: the same bytes per step take twice the elements."""
+        FP8 rows (fp8.py) pass a larger max_k: the same bytes per step take twice the elements.
+        LATENTSERVE_GEMV_MAX_K (bench/gpu.py's `gemv_whole_k`, not yet timed in the engine): up
+        to 2048 a program's whole weight slice (4 x 2048 at the small preset's projections) is
+        read before the PDL wait, where the sweep (no K step above 512) read one step of it."""
+        max_k = max_k or int(os.environ.get("LATENTSERVE_GEMV_MAX_K", "512"))
         bm = triton.next_power_of_2(m)
         bn = max(4, block_n(n, sms))
         # A [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it near 8K elements.

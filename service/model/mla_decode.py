@@ -77,10 +77,14 @@ def num_splits(batch: int, num_heads: int) -> int:
 
 def launch_config(batch: int, num_heads: int) -> dict:
     programs = _programs(batch, num_heads)
+    # Not yet timed (bench/gpu.py's `mla_preload`): one tile a program at batch 1-8 and context
+    # 1024, so under PDL the whole read would overlap the previous kernel (19 global loads before
+    # griddepcontrol.wait in the sm_90 PTX, 167-170 registers, unchanged shared memory).
+    preload = {"PRELOAD": True} if os.environ.get("LATENTSERVE_MLA_PRELOAD", "0") == "1" else {}
     if programs <= 2:
-        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, **preload}
     if programs <= 16:
-        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, **preload}
     if os.environ.get("LATENTSERVE_MLA_PREFETCH", "1") == "0":  # the measured table before it (a baseline)
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3 if programs >= ONE_SPLIT_PROGRAMS else 2}
     # Block tables a step ahead, so the KV tile gets 2 buffers at 3 stages (91 KB of shared
@@ -97,6 +101,46 @@ if triton is not None:
         """The cache blocks holding sequence b's positions offs (0 from `end` on)."""
         return tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=offs < end, other=0)
 
+    @triton.jit
+    def _bounds(ctx_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_KV: tl.constexpr):
+        """(context, this split's first position, where its tile loop stops, whether it owns the
+        new token). Splits start on BLOCK_N boundaries; trailing splits may be empty."""
+        ctx = tl.load(ctx_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, ctx)
+        owns_new = (start <= ctx - 1) & (ctx - 1 < end)
+        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV else end
+        return ctx, start, loop_end, owns_new
+
+    @triton.jit
+    def _kv_tile(kv_ptr, blk, offs, nmask, stride_slot, d_lat, d_pe, BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr):
+        slot = blk.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
+        # Masked loads give 0 for slots past the context: they may hold NaN (poisoned pages).
+        k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
+        k_pe = tl.load(kv_ptr + slot[:, None] * stride_slot + D_LAT + d_pe[None, :], mask=nmask[:, None], other=0.0)
+        return k_lat, k_pe
+
+    @triton.jit
+    def _attend(q_lat, q_pe, k_lat, k_pe, nmask, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+        """One tile of the online softmax: (m_i, l_i, acc) after the tile's positions nmask."""
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat))
+            s += tl.dot(q_pe, tl.trans(k_pe))
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+        return m_new, l_i, acc
+
     # stride_bt is the block tables' width, which in a mixed step follows its decodes' longest
     # context: specialized (== 1, % 16), each new class was a compile of ~0.25 s inside a served step.
     @triton.jit(do_not_specialize=["stride_bt"])
@@ -106,7 +150,8 @@ if triton is not None:
                           num_heads, scale,
                           BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr):
+                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr,
+                          PRELOAD: tl.constexpr):
         """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) is attended
         from registers after the loop, and written to its slot (head block 0), by the one program
         whose split holds its position: the KV write needs no kernel of its own. The loop stops
@@ -114,35 +159,44 @@ if triton is not None:
         loads cost 36 KB more shared memory a program, compiled for sm_90).
         PREFETCH_BT: each step loads the next tile's block-table entries, so the KV tile's address
         comes from the step before and Triton's pipeline gives the KV tile num_stages - 1 buffers
-        (one at 2-4 stages otherwise: the block-table load took the first stages)."""
-        pdl.enter(PDL)
+        (one at 2-4 stages otherwise: the block-table load took the first stages).
+        PRELOAD: the context length, block table and first KV tile are read before the PDL wait
+        (the previous kernel writes none of them: this kernel writes the step's KV row itself),
+        so under PDL that dependent chain overlaps the previous kernel's tail."""
         b = tl.program_id(0)
         hblk = tl.program_id(1)
         split = tl.program_id(2)
-        ctx = tl.load(ctx_ptr + b)
-        # Splits start on BLOCK_N boundaries; trailing splits may be empty.
-        per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, ctx)
+        d_lat = tl.arange(0, D_LAT)
+        d_pe = tl.arange(0, D_PE)
+        if PRELOAD:
+            ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
+            offs0 = start + tl.arange(0, BLOCK_N)
+            nmask0 = offs0 < loop_end
+            blk0 = _block_ids(bt_ptr, b, stride_bt, offs0, loop_end, BLOCK_SIZE)
+            k_lat0, k_pe0 = _kv_tile(kv_ptr, blk0, offs0, nmask0, stride_slot, d_lat, d_pe, BLOCK_SIZE, D_LAT)
+            pdl.enter(PDL)
+        else:
+            pdl.enter(PDL)
+            ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
 
         heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < num_heads
-        d_lat = tl.arange(0, D_LAT)
-        d_pe = tl.arange(0, D_PE)
         q_lat = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d_lat[None, :], mask=hmask[:, None],
                         other=0.0)
         q_pe = tl.load(qpe_ptr + b * stride_pb + heads[:, None] * stride_ph + d_pe[None, :], mask=hmask[:, None],
                        other=0.0)
 
-        owns_new = (start <= ctx - 1) & (ctx - 1 < end)
-        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV else end
-
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+        first = start
+        if PRELOAD:
+            if start < loop_end:  # an empty split's tile would make the softmax's max -inf - -inf
+                m_i, l_i, acc = _attend(q_lat, q_pe, k_lat0, k_pe0, nmask0, m_i, l_i, acc, scale, IEEE)
+            first = start + BLOCK_N
         if PREFETCH_BT:
-            blk_next = _block_ids(bt_ptr, b, stride_bt, start + tl.arange(0, BLOCK_N), loop_end, BLOCK_SIZE)
-        for n0 in range(start, loop_end, BLOCK_N):
+            blk_next = _block_ids(bt_ptr, b, stride_bt, first + tl.arange(0, BLOCK_N), loop_end, BLOCK_SIZE)
+        for n0 in range(first, loop_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             nmask = offs < loop_end
             if PREFETCH_BT:
@@ -150,27 +204,8 @@ if triton is not None:
                 blk_next = _block_ids(bt_ptr, b, stride_bt, offs + BLOCK_N, loop_end, BLOCK_SIZE)
             else:
                 blk = _block_ids(bt_ptr, b, stride_bt, offs, loop_end, BLOCK_SIZE)
-            slot = blk.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
-            # Masked loads give 0 for slots past the context: they may hold NaN (poisoned pages).
-            k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
-            k_pe = tl.load(kv_ptr + slot[:, None] * stride_slot + D_LAT + d_pe[None, :],
-                           mask=nmask[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-                s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
-            else:
-                s = tl.dot(q_lat, tl.trans(k_lat))
-                s += tl.dot(q_pe, tl.trans(k_pe))
-            s = tl.where(nmask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
-            m_i = m_new
+            k_lat, k_pe = _kv_tile(kv_ptr, blk, offs, nmask, stride_slot, d_lat, d_pe, BLOCK_SIZE, D_LAT)
+            m_i, l_i, acc = _attend(q_lat, q_pe, k_lat, k_pe, nmask, m_i, l_i, acc, scale, IEEE)
 
         if WRITE_KV:
             if owns_new:  # one more position: the new token, from registers
@@ -263,7 +298,8 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_lat.device)
     ieee = q_lat.dtype == torch.float32
-    launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}), **(cfg or {})}
+    launch = {"PREFETCH_BT": False, "PRELOAD": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
+              **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
     write = new_kv is not None
     if write:

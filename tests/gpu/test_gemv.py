@@ -44,6 +44,21 @@ def test_gemv_matches_reference(n, k, m, dtype, monkeypatch):
     assert torch.equal(y, torch.ops.latentserve.gemv(x, w))  # deterministic
 
 
+@pytest.mark.parametrize("n,k", SHAPES[:3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_whole_k_steps_match_reference(n, k, dtype, monkeypatch):
+    """LATENTSERVE_GEMV_MAX_K=2048: one row's program reads all of K in one step (K 96 and 768
+    pad to a power of two) and the loop after the first step runs zero times."""
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_K", "2048")
+    assert gemv.config(1, n, k, gemv.sm_count(torch.device(DEVICE)))["BLOCK_K"] >= k
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(torch.ops.latentserve.gemv(x, w).double(), x.double() @ w.double().t(),
+                               atol=tol * 4, rtol=tol)
+
+
 def test_leading_dims_and_strided_rows():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 200, generator=g).to(DEVICE)[..., :96]  # rows strided, last dim contiguous

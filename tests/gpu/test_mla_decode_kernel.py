@@ -91,9 +91,10 @@ def test_split_count_depends_on_batch_only():
 
 @pytest.mark.parametrize("write", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_prefetched_block_tables_match_reference(dtype, tol, write):
-    """The prefetching launches (next tile's block-table entries loaded a step ahead): the
-    default's 32-token tiles at 3 stages and 16-token tiles at 4,
+def test_launch_variants_match_reference(dtype, tol, write):
+    """The prefetching launches (next tile's block-table entries loaded a step ahead: the
+    default's 32-token tiles at 3 stages and 16-token tiles at 4) and the preloading ones (the
+    first tile read before the PDL wait; empty splits included),
     reading the cache and writing each sequence's new token itself, over contexts that end
     mid-tile, with one split and with four."""
     if INTERPRET and dtype != torch.float32:
@@ -112,8 +113,11 @@ def test_prefetched_block_tables_match_reference(dtype, tol, write):
     if write:
         expected_kv.view(-1, lora + rope)[new["new_slots"]] = new["new_kv"]
     ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
-    for cfg, splits in itertools.product([mla_decode.launch_config(64, heads),
-                                          {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True}], (1, 4)):
+    cfgs = [mla_decode.launch_config(64, heads), {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True},
+            # PRELOAD: the first tile read before the PDL wait (the batch 1-8 launches)
+            {**mla_decode.launch_config(1, heads), "BLOCK_N": 16, "PRELOAD": True},
+            {**mla_decode.launch_config(64, heads), "PRELOAD": True}]
+    for cfg, splits in itertools.product(cfgs, (1, 4, 16)):
         cache = kv.clone()
         out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
         assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
@@ -124,6 +128,9 @@ def test_prefetched_block_tables_match_reference(dtype, tol, write):
 
 def test_prefetch_launch_is_the_default_from_17_programs(monkeypatch):
     assert mla_decode.launch_config(64, 16)["PREFETCH_BT"] is True
+    assert "PRELOAD" not in mla_decode.launch_config(1, 16)  # opt-in until timed
+    monkeypatch.setenv("LATENTSERVE_MLA_PRELOAD", "1")
+    assert mla_decode.launch_config(1, 16)["PRELOAD"] is True and "PRELOAD" not in mla_decode.launch_config(64, 16)
     assert "PREFETCH_BT" not in mla_decode.launch_config(8, 16)  # few programs: the split table's shapes
     monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "0")  # bench/gpu.py's mla_no_prefetch baseline
     assert "PREFETCH_BT" not in mla_decode.launch_config(64, 16)
