@@ -90,8 +90,8 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
             for bn, bk, warps, stages in itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024, 2048), (4, 8),
                                                           (3, 4, 5)):
                 c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "DOT": m > 1}
-                rows_tile = max(16, triton_pow2(m)) if m > 1 else 1
-                if (m > 1 and bn < 16) or triton_cdiv(n, bn) < sms // 2 or rows_tile * bn * bk > 32768 * (4 if m > 1 else 1):
+                tile = gemv.rows_tile(m, m > 1) * bn * bk
+                if (m > 1 and bn < 16) or triton_cdiv(n, bn) < sms // 2 or tile > 32768 * (4 if m > 1 else 1):
                     continue
                 try:
                     t = graph_seconds(lambda w: gemv.launch(x, w, y, c), ws[:8], reps=2)  # noqa: B023
@@ -108,10 +108,6 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def triton_pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
 
 
 def bench_experts(rows: list[int], sweep: bool, bw: float) -> list[dict]:

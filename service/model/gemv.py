@@ -119,7 +119,9 @@ if triton is not None:
             acc = _product(acc, xv, w, DOT, IEEE)
         return acc
 
-    @triton.jit
+    # M only masks rows: specialized (== 1, % 16), each class of a mixed step's row count would
+    # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
+    @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
                      stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
@@ -187,12 +189,18 @@ if triton is not None:
         bk = max(64, min(max_k, 8192 // (bm * bn), triton.next_power_of_2(k)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
 
+    def rows_tile(m: int, dot: bool) -> int:
+        """BLOCK_M: the rows themselves for the register product; 16 or 64 for tensor-core tiles,
+        so a step of any 2-64 rows takes one of two compiles (decode graphs and the startup
+        mixed steps make both), the padding rows costing bandwidth nothing."""
+        return triton.next_power_of_2(m) if not dot else 16 if m <= 16 else 64
+
     def dot_config(m: int, n: int, k: int, sms: int, itemsize: int) -> dict:
         """Launch shape from 2 rows: the rows padded to a 16-row (or larger) tensor-core tile, so a
         weight tile costs the same registers at 16 rows as at 2 (the register product's grow with
         the rows: 18.7 us at 8 rows where cuBLAS took 6.2). K steps shrink until a stage's x and
         weight tiles fit 48 KB (4 stages in the H200's 227 KB of shared memory)."""
-        bm, bn = max(16, triton.next_power_of_2(m)), max(16, block_n(n, sms))
+        bm, bn = rows_tile(m, True), max(16, block_n(n, sms))
         bk = max(16, min(256, triton.next_power_of_2(k)))
         while bk > 32 and (bm + bn) * bk * itemsize > 48 * 1024:
             bk //= 2
@@ -207,7 +215,7 @@ if triton is not None:
         n = weight.shape[0]
         xb, wb = pair if pair is not None else (x2, weight)
         cfg = {"DOT": False, **cfg}
-        block_m = max(16, triton.next_power_of_2(m)) if cfg["DOT"] else triton.next_power_of_2(m)
+        block_m = rows_tile(m, cfg["DOT"])
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
             wb.stride(0), BLOCK_M=block_m, PAIR=pair is not None, IEEE=x2.dtype == torch.float32, **cfg,
