@@ -125,7 +125,7 @@ if triton is not None:
             acc += wv * xv[None, :]
         tl.store(logits_ptr + t * stride_l + e, tl.sum(acc, 1), mask=emask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # M masks tokens only: no compile per class of a step's count
     def _router_logits_tiled_kernel(x_ptr, w_ptr, logits_ptr, M, hidden, num_experts, stride_x, stride_w, stride_l,
                                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                                     IEEE: tl.constexpr, PDL: tl.constexpr):
