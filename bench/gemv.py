@@ -6,8 +6,11 @@ kernels against cuBLAS, as achieved bandwidth over the copy bandwidth measured i
 Shapes are the `small` preset's decode projections (bench/gpu.py's model). Each measurement is
 a CUDA graph of back-to-back calls, as a decode step replays them, cycling through enough
 copies of the weight that it never sits in L2 (the H200's is 50 MB; one decode step reads
-2 GB). --sweep times every launch shape of the GEMV and the expert kernels and prints the best,
-which is how the defaults in gemv.config and moe_kernels were chosen.
+2 GB). --sweep times every launch shape of the GEMV (its register product at one row, its
+tensor-core tiles from two) and of the expert kernels and prints the best, which is how the
+defaults in gemv.config and moe_kernels were chosen (gemv.dot_config's not yet). At one row each
+line also times whole-K steps (`whole_k_us`), and from two rows the register product the rows
+ran as before the tiles (`product_us`).
 """
 
 from __future__ import annotations
@@ -87,11 +90,13 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
             row["product_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, product), ws) * 1e6  # noqa: B023
         if sweep:
             best = (t_ours, cfg)
-            for bn, bk, warps, stages in itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024, 2048), (4, 8),
-                                                          (3, 4, 5)):
+            # One row: the register product's rows and K steps (whole K from 1024 on); more rows:
+            # tensor-core tiles (N >= 16, K steps within shared memory).
+            space = (((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4)) if m == 1 else
+                     ((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5)))
+            for bn, bk, warps, stages in itertools.product(*space):
                 c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "DOT": m > 1}
-                tile = gemv.rows_tile(m, m > 1) * bn * bk
-                if (m > 1 and bn < 16) or triton_cdiv(n, bn) < sms // 2 or tile > 32768 * (4 if m > 1 else 1):
+                if triton_cdiv(n, bn) < sms // 2 or (m == 1 and bn * bk > 32768):
                     continue
                 try:
                     t = graph_seconds(lambda w: gemv.launch(x, w, y, c), ws[:8], reps=2)  # noqa: B023
