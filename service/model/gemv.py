@@ -49,10 +49,12 @@ def max_rows() -> int:
 MAX_WEIGHT_ELEMENTS = 16 << 20
 
 
-def gated_enabled() -> bool:
-    """The gate/up GEMV with the activation fused (LATENTSERVE_GATED_GEMV=1). Off by default: its
-    first H200 run took 15 us per shared expert where cuBLAS + the activation take 8.5."""
-    return os.environ.get("LATENTSERVE_GATED_GEMV", "0") == "1"
+def gated_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The gate/up GEMV with the activation fused (LATENTSERVE_GATED_GEMV=1), at one row: it is
+    a register product only. Off by default: its first H200 run took 15 us per shared expert
+    where cuBLAS + the activation take 8.5."""
+    return (os.environ.get("LATENTSERVE_GATED_GEMV", "0") == "1" and supported(x, weight)
+            and x.numel() == x.shape[-1])
 
 
 def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor) -> bool:

@@ -224,7 +224,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         w = self.gate_up_proj.weight
-        if gemv.gated_enabled() and gemv.supported(x, w) and self.act_name in gemv.ACTS:  # decode: GEMV + activation, one kernel
+        if gemv.gated_supported(x, w) and self.act_name in gemv.ACTS:  # one decode row: GEMV + activation, one kernel
             h = gemv.run(torch.ops.latentserve.gated_gemv, x, w, self.act_name, self.act_beta, self.act_linear_beta)
             if h is not None:
                 return self.down_proj(h, reduce=reduce)

@@ -73,6 +73,10 @@ def test_linear_routes_by_rows(monkeypatch):
     assert gemv.supported(torch.randn(gemv.max_rows(), 32).to(DEVICE), w)
     assert not gemv.supported(torch.randn(gemv.max_rows() + 1, 32).to(DEVICE), w)
     assert not gemv.supported(torch.randn(2, 32).to(DEVICE, torch.bfloat16), w)  # dtype mismatch
+    assert not gemv.gated_supported(torch.randn(1, 32).to(DEVICE), w)  # opt-in
+    monkeypatch.setenv("LATENTSERVE_GATED_GEMV", "1")
+    assert gemv.gated_supported(torch.randn(1, 32).to(DEVICE), w)
+    assert not gemv.gated_supported(torch.randn(2, 32).to(DEVICE), w)  # a register product: one row only
     monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "0")
     assert not gemv.supported(torch.randn(1, 32).to(DEVICE), w)
     x = torch.randn(33, 32).to(DEVICE)  # above the limit: cuBLAS / torch
