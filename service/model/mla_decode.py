@@ -160,9 +160,10 @@ if triton is not None:
         PREFETCH_BT: each step loads the next tile's block-table entries, so the KV tile's address
         comes from the step before and Triton's pipeline gives the KV tile num_stages - 1 buffers
         (one at 2-4 stages otherwise: the block-table load took the first stages).
-        PRELOAD: the context length, block table and first KV tile are read before the PDL wait
-        (the previous kernel writes none of them: this kernel writes the step's KV row itself),
-        so under PDL that dependent chain overlaps the previous kernel's tail."""
+        PRELOAD: the context length, block table and first KV tile are read before the PDL wait,
+        so under PDL that dependent chain overlaps the previous kernel's tail. Only with WRITE_KV
+        (the host sees to it): then no kernel before this one writes any of them, while without
+        it the kernel before may be the one writing the step's KV rows."""
         b = tl.program_id(0)
         hblk = tl.program_id(1)
         split = tl.program_id(2)
@@ -302,6 +303,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
               **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
     write = new_kv is not None
+    launch["PRELOAD"] = launch["PRELOAD"] and write
     if write:
         if new_kv.shape != (b, d) or new_kv.dtype != kv_cache.dtype or new_slots is None or new_slots.shape != (b,):
             raise ValueError(f"new_kv {tuple(new_kv.shape)} {new_kv.dtype} / new_slots do not fit batch {b}, "

@@ -94,7 +94,7 @@ def test_split_count_depends_on_batch_only():
 def test_launch_variants_match_reference(dtype, tol, write):
     """The prefetching launches (next tile's block-table entries loaded a step ahead: the
     default's 32-token tiles at 3 stages and 16-token tiles at 4) and the preloading ones (the
-    first tile read before the PDL wait; empty splits included),
+    first tile read before the PDL wait, with the KV write only; empty splits included),
     reading the cache and writing each sequence's new token itself, over contexts that end
     mid-tile, with one split and with four."""
     if INTERPRET and dtype != torch.float32:
