@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
 
 require_kernel_device()
 
@@ -59,8 +59,7 @@ def case(seed, batch, heads, lora, rope, block_size, dtype, max_ctx):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("batch,heads,splits", [(3, 8, None), (5, 20, 4), (2, 16, 1)])
 def test_mla_decode_matches_reference(dtype, tol, batch, heads, splits):
-    if INTERPRET and dtype != torch.float32:
-        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
+    skip_interpreted_16bit_dot(dtype)
     lora, rope, block_size = 64, 16, 4
     q, kv, tables, ctx, ctx_list = case(batch * 7 + heads, batch, heads, lora, rope, block_size, dtype, 70)
     assert mla_decode.supported(q, kv, lora)
@@ -97,8 +96,7 @@ def test_launch_variants_match_reference(dtype, tol, write):
     first tile read before the PDL wait, with the KV write only; empty splits included),
     reading the cache and writing each sequence's new token itself, over contexts that end
     mid-tile, with one split and with four."""
-    if INTERPRET and dtype != torch.float32:
-        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
+    skip_interpreted_16bit_dot(dtype)
     lora, rope, block_size, batch, heads = 64, 16, 16, 5, 16
     q, kv, tables, ctx, ctx_list = case(11, batch, heads, lora, rope, block_size, dtype, 90)
     scale = (lora + rope) ** -0.5
