@@ -385,6 +385,7 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              # Candidates for batches 1-8, not yet timed: a one-row GEMV program's whole weight slice
              # read before the PDL wait, and MLA decode's first KV tile likewise.
              "gemv_whole_k": {"LATENTSERVE_GEMV_MAX_K": "2048"}, "mla_preload": {"LATENTSERVE_MLA_PRELOAD": "1"},
+             "preload_whole_k": {"LATENTSERVE_GEMV_MAX_K": "2048", "LATENTSERVE_MLA_PRELOAD": "1"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}
