@@ -8,9 +8,10 @@ a CUDA graph of back-to-back calls, as a decode step replays them, cycling throu
 copies of the weight that it never sits in L2 (the H200's is 50 MB; one decode step reads
 2 GB). --sweep times every launch shape of the GEMV (its register product at one row, its
 tensor-core tiles from two) and of the expert kernels and prints the best, which is how the
-defaults in gemv.config and moe_kernels were chosen (gemv.dot_config's not yet). At one row each
-line also times whole-K steps (`whole_k_us`), and from two rows the register product the rows
-ran as before the tiles (`product_us`).
+defaults in gemv.config, gemv.dot_config and moe_kernels were chosen; it includes split-K
+shapes (`K_SPLIT`: each program reads that much of K, the last split to arrive adds the
+partials). From two rows each line also times the register product the rows ran as before the
+tiles (`product_us`) and the split-K candidate, gemv.split_config (`split_us`).
 """
 
 from __future__ import annotations
@@ -82,21 +83,20 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
         t_ours = graph_seconds(lambda w: gemv.launch(x, w, y, cfg), ws)  # noqa: B023 - called at once
         row = {"name": name, "m": m, "n": n, "k": k, "cublas_us": t_cublas * 1e6, "ours_us": t_ours * 1e6,
                "ours_vs_cublas": t_cublas / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw, "config": cfg}
-        if m == 1:  # the whole K of a program's rows in one step: all of its weights before the PDL wait
-            whole = gemv.config(m, n, k, sms, max_k=2048)
-            row["whole_k_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, whole), ws) * 1e6  # noqa: B023
+        if m == 1:  # 512-wide K steps: the one-row default before whole-K slices (run 39)
+            k512 = gemv.config(m, n, k, sms, max_k=512)
+            row["k512_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, k512), ws) * 1e6  # noqa: B023
         if cfg.get("DOT"):  # the register product these rows ran as before the tensor-core tiles
             product = gemv.config(m, n, k, sms)
             row["product_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, product), ws) * 1e6  # noqa: B023
+            split = gemv.split_config(m, n, k, sms)
+            row["split_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, split), ws) * 1e6  # noqa: B023
         if sweep:
             best = (t_ours, cfg)
             # One row: the register product's rows and K steps (whole K from 1024 on); more rows:
             # tensor-core tiles (N >= 16, K steps within shared memory).
-            space = (((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4)) if m == 1 else
-                     ((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5)))
-            for bn, bk, warps, stages in itertools.product(*space):
-                c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "DOT": m > 1}
-                if triton_cdiv(n, bn) < sms // 2 or (m == 1 and bn * bk > 32768):
+            for c in sweep_space(m):
+                if triton_cdiv(n, c["BLOCK_N"]) * triton_cdiv(k, c.get("K_SPLIT") or k) < sms // 2:
                     continue
                 try:
                     t = graph_seconds(lambda w: gemv.launch(x, w, y, c), ws[:8], reps=2)  # noqa: B023
@@ -109,6 +109,24 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
         out.append(row)
         del ws
     return out
+
+
+def sweep_space(m: int):
+    """Launch shapes of the GEMV: one row's register product (K steps up to whole K), tensor-core
+    tiles from two rows, and both split over K (a split of one K step needs no pipeline)."""
+    if m == 1:
+        for bn, bk, warps, stages in itertools.product((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4)):
+            if bn * bk <= 32768:
+                yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        for bn, bk in itertools.product((4, 8, 16), (256, 512)):
+            yield {"BLOCK_N": bn, "BLOCK_K": bk, "K_SPLIT": bk, "num_warps": 4, "num_stages": 1}
+        return
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5)):
+        yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "DOT": True}
+    for bn, bk, steps in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4)):
+        for stages in ((1,) if steps == 1 else (2, 3)):
+            yield {"BLOCK_N": bn, "BLOCK_K": bk, "K_SPLIT": bk * steps, "num_warps": 4, "num_stages": stages,
+                   "DOT": True}
 
 
 def triton_cdiv(a: int, b: int) -> int:

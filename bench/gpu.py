@@ -382,10 +382,10 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "gemv_1_row": {"LATENTSERVE_GEMV_MAX_ROWS": "1"},
              # The GEMV's tensor-core tiles up to 16 rows only, cuBLAS above (run 35's default).
              "gemv_16_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "16"},
-             # Candidates for batches 1-8, not yet timed: a one-row GEMV program's whole weight slice
-             # read before the PDL wait, and MLA decode's first KV tile likewise.
-             "gemv_whole_k": {"LATENTSERVE_GEMV_MAX_K": "2048"}, "mla_preload": {"LATENTSERVE_MLA_PRELOAD": "1"},
-             "preload_whole_k": {"LATENTSERVE_GEMV_MAX_K": "2048", "LATENTSERVE_MLA_PRELOAD": "1"},
+             # The one-row GEMV in 512-wide K steps (the default before whole-K slices, run 39).
+             "gemv_k512": {"LATENTSERVE_GEMV_MAX_K": "512"},
+             # Candidate, not yet timed: split-K tensor-core tiles from 2 rows (gemv.split_config).
+             "gemv_split_k": {"LATENTSERVE_GEMV_SPLIT_K": "1"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}

@@ -4,7 +4,7 @@ and so how many programs fit on one SM. Compiled for sm_90 from the kernel's sou
 16-byte divisibility the JIT infers at a real launch (without it Triton pipelines nothing).
 
     pip install triton==3.6.0      # any machine: the compiler and ptxas need no GPU
-    python bench/triton_ir.py [--block-n 16 32] [--warps 4 8] [--stages 2 3 4 5] [--write-kv] [--prefetch] [--preload]
+    python bench/triton_ir.py [--block-n 16 32] [--warps 4 8] [--stages 2 3 4 5] [--write-kv] [--prefetch]
 
 Why it exists (bench/RESULTS.md, 2026-12-04): `num_stages` barely moved the kernel in sweeps
 because the block-table load took the pipeline's first stages and the KV tile got one buffer
@@ -37,12 +37,11 @@ POINTERS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "
 UNSPECIALIZED = ("stride_bt", "scale")  # do_not_specialize, and a float
 
 
-def compile_split(block_n: int, warps: int, stages: int, write_kv: bool, prefetch: bool, preload: bool = False):
+def compile_split(block_n: int, warps: int, stages: int, write_kv: bool, prefetch: bool):
     fn = mla_decode._mla_decode_split
     names = fn.arg_names
     consts = dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=1,
-                  WRITE_KV=write_kv, IEEE=False, PDL=True, PREFETCH_BT=prefetch,
-                  PRELOAD=preload)
+                  WRITE_KV=write_kv, IEEE=False, PDL=True, PREFETCH_BT=prefetch)
     sig = {n: "constexpr" if n in consts else "fp32" if n == "scale" else POINTERS.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and n not in UNSPECIALIZED}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
@@ -76,17 +75,15 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 5])
     ap.add_argument("--write-kv", action="store_true", help="the engine's variant: writes the new token")
     ap.add_argument("--prefetch", action="store_true", help="also PREFETCH_BT (next tile's block table a step ahead)")
-    ap.add_argument("--preload", action="store_true", help="also PRELOAD (the first KV tile before the PDL wait)")
     args = ap.parse_args()
-    for bn, warps, stages, pf, pl in itertools.product(args.block_n, args.warps, args.stages,
-                                                      (False, True) if args.prefetch else (False,),
-                                                      (False, True) if args.preload else (False,)):
-        k = compile_split(bn, warps, stages, args.write_kv, pf, pl)
+    for bn, warps, stages, pf in itertools.product(args.block_n, args.warps, args.stages,
+                                                  (False, True) if args.prefetch else (False,)):
+        k = compile_split(bn, warps, stages, args.write_kv, pf)
         ttgir = k.asm["ttgir"]
         kv = re.search(r"memdesc<(\d+)x\d+x512x", ttgir)
         regs, spill = registers(k.asm["ptx"])
         smem = k.metadata.shared
-        print(f"BLOCK_N {bn:3d} warps {warps} stages {stages} prefetch {pf!s:5} preload {pl!s:5}: shared {smem / 1024:6.1f} KB, "
+        print(f"BLOCK_N {bn:3d} warps {warps} stages {stages} prefetch {pf!s:5}: shared {smem / 1024:6.1f} KB, "
               f"KV buffers {kv.group(1) if kv else 0}, {regs} registers, {spill} B spilled, "
               f"{programs_per_sm(regs, smem, warps)} programs an SM", flush=True)
 

@@ -77,14 +77,12 @@ def num_splits(batch: int, num_heads: int) -> int:
 
 def launch_config(batch: int, num_heads: int) -> dict:
     programs = _programs(batch, num_heads)
-    # Not yet timed (bench/gpu.py's `mla_preload`): one tile a program at batch 1-8 and context
-    # 1024, so under PDL the whole read would overlap the previous kernel (19 global loads before
-    # griddepcontrol.wait in the sm_90 PTX, 167-170 registers, unchanged shared memory).
-    preload = {"PRELOAD": True} if os.environ.get("LATENTSERVE_MLA_PRELOAD", "0") == "1" else {}
+    # Tried and removed (run 39, 2026-12-04): reading the context length, block table and first
+    # KV tile before the PDL wait at batch 1-8 (one tile a program): steps 1.00x at 1 and 8.
     if programs <= 2:
-        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, **preload}
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
     if programs <= 16:
-        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, **preload}
+        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
     if os.environ.get("LATENTSERVE_MLA_PREFETCH", "1") == "0":  # the measured table before it (a baseline)
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3 if programs >= ONE_SPLIT_PROGRAMS else 2}
     # Block tables a step ahead, so the KV tile gets 2 buffers at 3 stages (91 KB of shared
@@ -150,8 +148,7 @@ if triton is not None:
                           num_heads, scale,
                           BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr,
-                          PRELOAD: tl.constexpr):
+                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr):
         """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) is attended
         from registers after the loop, and written to its slot (head block 0), by the one program
         whose split holds its position: the KV write needs no kernel of its own. The loop stops
@@ -159,26 +156,14 @@ if triton is not None:
         loads cost 36 KB more shared memory a program, compiled for sm_90).
         PREFETCH_BT: each step loads the next tile's block-table entries, so the KV tile's address
         comes from the step before and Triton's pipeline gives the KV tile num_stages - 1 buffers
-        (one at 2-4 stages otherwise: the block-table load took the first stages).
-        PRELOAD: the context length, block table and first KV tile are read before the PDL wait,
-        so under PDL that dependent chain overlaps the previous kernel's tail. Only with WRITE_KV
-        (the host sees to it): then no kernel before this one writes any of them, while without
-        it the kernel before may be the one writing the step's KV rows."""
+        (one at 2-4 stages otherwise: the block-table load took the first stages)."""
         b = tl.program_id(0)
         hblk = tl.program_id(1)
         split = tl.program_id(2)
         d_lat = tl.arange(0, D_LAT)
         d_pe = tl.arange(0, D_PE)
-        if PRELOAD:
-            ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
-            offs0 = start + tl.arange(0, BLOCK_N)
-            nmask0 = offs0 < loop_end
-            blk0 = _block_ids(bt_ptr, b, stride_bt, offs0, loop_end, BLOCK_SIZE)
-            k_lat0, k_pe0 = _kv_tile(kv_ptr, blk0, offs0, nmask0, stride_slot, d_lat, d_pe, BLOCK_SIZE, D_LAT)
-            pdl.enter(PDL)
-        else:
-            pdl.enter(PDL)
-            ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
+        pdl.enter(PDL)
+        ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
 
         heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < num_heads
@@ -190,14 +175,9 @@ if triton is not None:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
-        first = start
-        if PRELOAD:
-            if start < loop_end:  # an empty split's tile would make the softmax's max -inf - -inf
-                m_i, l_i, acc = _attend(q_lat, q_pe, k_lat0, k_pe0, nmask0, m_i, l_i, acc, scale, IEEE)
-            first = start + BLOCK_N
         if PREFETCH_BT:
-            blk_next = _block_ids(bt_ptr, b, stride_bt, first + tl.arange(0, BLOCK_N), loop_end, BLOCK_SIZE)
-        for n0 in range(first, loop_end, BLOCK_N):
+            blk_next = _block_ids(bt_ptr, b, stride_bt, start + tl.arange(0, BLOCK_N), loop_end, BLOCK_SIZE)
+        for n0 in range(start, loop_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             nmask = offs < loop_end
             if PREFETCH_BT:
@@ -299,11 +279,10 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_lat.device)
     ieee = q_lat.dtype == torch.float32
-    launch = {"PREFETCH_BT": False, "PRELOAD": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
+    launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
               **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
     write = new_kv is not None
-    launch["PRELOAD"] = launch["PRELOAD"] and write
     if write:
         if new_kv.shape != (b, d) or new_kv.dtype != kv_cache.dtype or new_slots is None or new_slots.shape != (b,):
             raise ValueError(f"new_kv {tuple(new_kv.shape)} {new_kv.dtype} / new_slots do not fit batch {b}, "

@@ -92,10 +92,9 @@ def test_split_count_depends_on_batch_only():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_launch_variants_match_reference(dtype, tol, write):
     """The prefetching launches (next tile's block-table entries loaded a step ahead: the
-    default's 32-token tiles at 3 stages and 16-token tiles at 4) and the preloading ones (the
-    first tile read before the PDL wait, with the KV write only; empty splits included),
+    default's 32-token tiles at 3 stages and 16-token tiles at 4) and the few-program one,
     reading the cache and writing each sequence's new token itself, over contexts that end
-    mid-tile, with one split and with four."""
+    mid-tile, with one split, four and sixteen (empty splits included)."""
     skip_interpreted_16bit_dot(dtype)
     lora, rope, block_size, batch, heads = 64, 16, 16, 5, 16
     q, kv, tables, ctx, ctx_list = case(11, batch, heads, lora, rope, block_size, dtype, 90)
@@ -112,9 +111,7 @@ def test_launch_variants_match_reference(dtype, tol, write):
         expected_kv.view(-1, lora + rope)[new["new_slots"]] = new["new_kv"]
     ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
     cfgs = [mla_decode.launch_config(64, heads), {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True},
-            # PRELOAD: the first tile read before the PDL wait (the batch 1-8 launches)
-            {**mla_decode.launch_config(1, heads), "BLOCK_N": 16, "PRELOAD": True},
-            {**mla_decode.launch_config(64, heads), "PRELOAD": True}]
+            {**mla_decode.launch_config(1, heads), "BLOCK_N": 16}]
     for cfg, splits in itertools.product(cfgs, (1, 4, 16)):
         cache = kv.clone()
         out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
@@ -126,9 +123,6 @@ def test_launch_variants_match_reference(dtype, tol, write):
 
 def test_prefetch_launch_is_the_default_from_17_programs(monkeypatch):
     assert mla_decode.launch_config(64, 16)["PREFETCH_BT"] is True
-    assert "PRELOAD" not in mla_decode.launch_config(1, 16)  # opt-in until timed
-    monkeypatch.setenv("LATENTSERVE_MLA_PRELOAD", "1")
-    assert mla_decode.launch_config(1, 16)["PRELOAD"] is True and "PRELOAD" not in mla_decode.launch_config(64, 16)
     assert "PREFETCH_BT" not in mla_decode.launch_config(8, 16)  # few programs: the split table's shapes
     monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "0")  # bench/gpu.py's mla_no_prefetch baseline
     assert "PREFETCH_BT" not in mla_decode.launch_config(64, 16)
