@@ -8,10 +8,9 @@ a CUDA graph of back-to-back calls, as a decode step replays them, cycling throu
 copies of the weight that it never sits in L2 (the H200's is 50 MB; one decode step reads
 2 GB). --sweep times every launch shape of the GEMV (its register product at one row, its
 tensor-core tiles from two) and of the expert kernels and prints the best, which is how the
-defaults in gemv.config, gemv.dot_config and moe_kernels were chosen; it includes split-K
-shapes (`K_SPLIT`: each program reads that much of K, the last split to arrive adds the
-partials). From two rows each line also times the register product the rows ran as before the
-tiles (`product_us`) and the split-K candidate, gemv.split_config (`split_us`).
+defaults in gemv.config, gemv.dot_config and moe_kernels were chosen. At one row each line also
+times the 512-wide K steps used before whole-K slices (`k512_us`), from two rows the register
+product the rows ran as before the tensor-core tiles (`product_us`).
 """
 
 from __future__ import annotations
@@ -89,14 +88,12 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
         if cfg.get("DOT"):  # the register product these rows ran as before the tensor-core tiles
             product = gemv.config(m, n, k, sms)
             row["product_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, product), ws) * 1e6  # noqa: B023
-            split = gemv.split_config(m, n, k, sms)
-            row["split_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, split), ws) * 1e6  # noqa: B023
         if sweep:
             best = (t_ours, cfg)
             # One row: the register product's rows and K steps (whole K from 1024 on); more rows:
             # tensor-core tiles (N >= 16, K steps within shared memory).
             for c in sweep_space(m):
-                if triton_cdiv(n, c["BLOCK_N"]) * triton_cdiv(k, c.get("K_SPLIT") or k) < sms // 2:
+                if triton_cdiv(n, c["BLOCK_N"]) < sms // 2:
                     continue
                 try:
                     t = graph_seconds(lambda w: gemv.launch(x, w, y, c), ws[:8], reps=2)  # noqa: B023
@@ -112,21 +109,16 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
 
 
 def sweep_space(m: int):
-    """Launch shapes of the GEMV: one row's register product (K steps up to whole K), tensor-core
-    tiles from two rows, and both split over K (a split of one K step needs no pipeline)."""
+    """Launch shapes of the GEMV: one row's register product (K steps up to whole K) and tensor-core
+    tiles from two rows. Split-K shapes (each program a slice of K, the last to arrive adding the
+    fp32 partials) were swept in run 40 and never won: bench/RESULTS.md."""
     if m == 1:
         for bn, bk, warps, stages in itertools.product((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4)):
             if bn * bk <= 32768:
                 yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-        for bn, bk in itertools.product((4, 8, 16), (256, 512)):
-            yield {"BLOCK_N": bn, "BLOCK_K": bk, "K_SPLIT": bk, "num_warps": 4, "num_stages": 1}
         return
     for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5)):
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "DOT": True}
-    for bn, bk, steps in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4)):
-        for stages in ((1,) if steps == 1 else (2, 3)):
-            yield {"BLOCK_N": bn, "BLOCK_K": bk, "K_SPLIT": bk * steps, "num_warps": 4, "num_stages": stages,
-                   "DOT": True}
 
 
 def triton_cdiv(a: int, b: int) -> int:

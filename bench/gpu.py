@@ -384,8 +384,8 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "gemv_16_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "16"},
              # The one-row GEMV in 512-wide K steps (the default before whole-K slices, run 39).
              "gemv_k512": {"LATENTSERVE_GEMV_MAX_K": "512"},
-             # Candidate, not yet timed: split-K tensor-core tiles from 2 rows (gemv.split_config).
-             "gemv_split_k": {"LATENTSERVE_GEMV_SPLIT_K": "1"},
+             # 16-row tensor-core tiles for wide outputs too (gemv.dot_config before run 41).
+             "gemv_narrow_tiles": {"LATENTSERVE_GEMV_WIDE_TILES": "0"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
                              "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}

@@ -79,19 +79,6 @@ def run(op, *args) -> torch.Tensor | None:
 
 
 _SMS: dict[int, int] = {}
-# Split-K partials (fp32) and the per-tile arrival counters, one set per device, allocated on
-# first use and kept: CUDA graphs hold their addresses. Plain torch memory, outside the sleep
-# pool's chunks, so sleep never discards them; the counters are back at 0 after every launch.
-SPLIT_FLOATS, SPLIT_COUNTERS = 4 << 20, 8192
-_WORKSPACES: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device.type, device.index)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.empty(SPLIT_FLOATS, dtype=torch.float32, device=device),
-                            torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device))
-    return _WORKSPACES[key]
 
 
 def sm_count(device: torch.device) -> int:
@@ -134,78 +121,32 @@ if triton is not None:
             acc = _product(acc, xv, w, DOT, IEEE)
         return acc
 
-    @triton.jit
-    def _slice(x_ptr, w_ptr, m, n, mmask, nmask, k_lo, k_hi, stride_x, stride_w, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        """x[:, k_lo:k_hi] @ w[n, k_lo:k_hi]^T in fp32. The first weight tile is requested before the
-        PDL wait: no kernel of the step writes weights, so under PDL that load overlaps the previous
-        kernel's tail, and only the activation loads wait for it."""
-        k = k_lo + tl.arange(0, BLOCK_K)
-        kmask = k < k_hi
-        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :],
-                     other=0.0)
-        pdl.enter(PDL)
-        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc = _product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, DOT, IEEE)
-        return _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, k_lo + BLOCK_K, k_hi, stride_x, stride_w, BLOCK_K,
-                           DOT, IEEE)
-
-    @triton.jit
-    def _last_sums(acc, ws_ptr, cnt_ptr, tile, split, splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Split-K without atomics on the output: each split stores its fp32 partial, and the split
-        that arrives last at the tile's counter adds all of them in split order (so the result
-        never depends on who came last), returns (True, sum) and zeroes the counter for the next
-        launch. The barrier and the acq_rel counter order every thread's partial before it."""
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        base = ws_ptr + tile.to(tl.int64) * splits * (BLOCK_M * BLOCK_N)
-        tl.store(base + split * (BLOCK_M * BLOCK_N) + offs, acc)
-        tl.debug_barrier()
-        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1
-        if last:
-            acc = tl.load(base + offs, cache_modifier=".cg")
-            for t in range(1, splits):
-                acc += tl.load(base + t * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-        return last, acc
-
     # M only masks rows: specialized (== 1, % 16), each class of a mixed step's row count would
     # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
-                     stride_w2, ws_ptr, cnt_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     K_SPLIT: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum).
 
-        K_SPLIT > 0: program (tile, s) reads K_SPLIT of K (splits of x2's K follow x's), so more
-        programs each have less to read, and with K_SPLIT == BLOCK_K all of a program's weights
-        are requested before the PDL wait; `_last_sums` adds the splits."""
-        tile = tl.program_id(0)
-        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        The first weight tile is requested before the PDL wait: no kernel of the step writes
+        weights, so under PDL that load overlaps the previous kernel's tail, and only the
+        activation loads wait for it."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nmask = n < N
         mmask = m < M
-        if K_SPLIT == 0:
-            acc = _slice(x_ptr, w_ptr, m, n, mmask, nmask, 0, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
-                         IEEE, PDL)
-            if PAIR:
-                acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K,
-                                  DOT, IEEE)
-            done = True
-        else:
-            split = tl.program_id(1)
-            first = tl.cdiv(K, K_SPLIT)
-            if split < first:
-                acc = _slice(x_ptr, w_ptr, m, n, mmask, nmask, split * K_SPLIT, tl.minimum(K, (split + 1) * K_SPLIT),
-                             stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, PDL)
-            else:
-                s2 = split - first
-                acc = _slice(x2_ptr, w2_ptr, m, n, mmask, nmask, s2 * K_SPLIT, tl.minimum(K2, (s2 + 1) * K_SPLIT),
-                             stride_x2, stride_w2, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, PDL)
-            done, acc = _last_sums(acc, ws_ptr, cnt_ptr, tile, split, tl.num_programs(1), BLOCK_M, BLOCK_N)
-        if done:
-            tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=mmask[:, None] & nmask[None, :])
+        k = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
+                     other=0.0)
+        pdl.enter(PDL)
+        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+        acc = _product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, DOT, IEEE)
+        acc = _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE)
+        if PAIR:
+            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE)
+        tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
 
 
     @triton.jit
@@ -239,8 +180,8 @@ if triton is not None:
     def config(m: int, n: int, k: int, sms: int, max_k: int | None = None) -> dict:
         """Launch shape for [m, k] x [n, k]^T at one row: a program's whole weight slice (K up to
         2048, 4-16 rows) in one step, so under PDL all of it is requested before the wait. From
-        bench/gemv.py --sweep and the engine on the H200 (run 39, 2026-12-04): e.g. latent_down
-        4.29 -> 2.61 us, o_proj 5.42 -> 4.58; the batch-1 step 1.954 -> 1.849 ms (0.95x; the 512-wide
+        bench/gemv.py --sweep and the engine on the H200 (runs 39-40, 2026-12-04): e.g. latent_down
+        4.31 -> 2.56 us, o_proj 5.29 -> 4.54; the batch-1 step 1.954 -> 1.844 ms (1.06x; the 512-wide
         K steps before it are bench/gpu.py's `gemv_k512`). FP8 rows (fp8.py) pass their own max_k."""
         max_k = max_k or int(os.environ.get("LATENTSERVE_GEMV_MAX_K", "2048"))
         bm = triton.next_power_of_2(m)
@@ -261,44 +202,31 @@ if triton is not None:
         the rows: 18.7 us at 8 rows where cuBLAS took 6.2). K steps shrink until a stage's x and
         weight tiles fit 48 KB (4 stages in the H200's 227 KB of shared memory)."""
         bm, bn = rows_tile(m, True), max(16, block_n(n, sms))
+        if bn == 16 and triton.cdiv(n, 32) >= 96 and os.environ.get("LATENTSERVE_GEMV_WIDE_TILES", "1") != "0":
+            # Wide outputs (q_b, 3072 x 768): 32 rows a program still fill ~3/4 of the SMs and
+            # re-read x half as often (bench/gemv.py --sweep, runs 39-40: 64 rows 7.25 -> 4.18 us,
+            # 8 rows 3.78 -> 3.52; cuBLAS 4.8 and 4.6). LATENTSERVE_GEMV_WIDE_TILES=0: 16 (a baseline).
+            return {"BLOCK_N": 32, "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))), "num_warps": 4,
+                    "num_stages": 3 if bm > 16 else 4, "DOT": True}
         bk = max(16, min(256, triton.next_power_of_2(k)))
         while bk > 32 and (bm + bn) * bk * itemsize > 48 * 1024:
             bk //= 2
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4, "DOT": True}
 
-    def split_config(m: int, n: int, k: int, sms: int) -> dict:
-        """Split-K tensor-core tiles from 2 rows (LATENTSERVE_GEMV_SPLIT_K=1, not yet timed): each
-        program owns one 256-wide K step of 16 (32 at 17-64 rows) output rows, so a projection is
-        8x the programs of `dot_config` and every weight tile is requested before the PDL wait."""
-        bm = rows_tile(m, True)
-        bn = 16 if bm == 16 else 32
-        bk = max(16, min(256, triton.next_power_of_2(k)))
-        return {"BLOCK_N": bn, "BLOCK_K": bk, "K_SPLIT": bk, "num_warps": 4, "num_stages": 1, "DOT": True}
-
     def shape(m: int, n: int, k: int, sms: int, itemsize: int = 2) -> dict:
-        if m == 1:
-            return config(m, n, k, sms)
-        if os.environ.get("LATENTSERVE_GEMV_SPLIT_K", "0") == "1":
-            return split_config(m, n, k, sms)
-        return dot_config(m, n, k, sms, itemsize)
+        return config(m, n, k, sms) if m == 1 else dot_config(m, n, k, sms, itemsize)
 
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict,
                pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         m, k = x2.shape
         n = weight.shape[0]
         xb, wb = pair if pair is not None else (x2, weight)
-        cfg = {"DOT": False, "K_SPLIT": 0, **cfg}
-        block_m, tiles = rows_tile(m, cfg["DOT"]), triton.cdiv(n, cfg["BLOCK_N"])
-        splits = 1
-        if cfg["K_SPLIT"]:
-            splits = triton.cdiv(k, cfg["K_SPLIT"]) + (triton.cdiv(xb.shape[1], cfg["K_SPLIT"]) if pair else 0)
-            if tiles > SPLIT_COUNTERS or tiles * splits * block_m * cfg["BLOCK_N"] > SPLIT_FLOATS:
-                cfg["K_SPLIT"], splits = 0, 1  # partials too large for the workspace: one pass over K
-        ws, counters = workspace(x2.device) if splits > 1 else (y, y)
-        _gemv_kernel[(tiles, splits)](
+        cfg = {"DOT": False, **cfg}
+        block_m = rows_tile(m, cfg["DOT"])
+        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
-            wb.stride(0), ws, counters, BLOCK_M=block_m, PAIR=pair is not None, IEEE=x2.dtype == torch.float32,
-            **cfg, **pdl.launch(x2.device))
+            wb.stride(0), BLOCK_M=block_m, PAIR=pair is not None, IEEE=x2.dtype == torch.float32, **cfg,
+            **pdl.launch(x2.device))
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""

@@ -59,44 +59,6 @@ def test_whole_k_steps_match_reference(n, k, dtype, monkeypatch):
                                atol=tol * 4, rtol=tol)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 40])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_split_k_matches_reference(m, dtype):
-    """Split-K launches (one K step a program, two, and a split that ends mid-step; with the
-    paired projection's splits after x's): the last split to arrive adds the fp32 partials in
-    split order, so results match the reference, repeat bit for bit, and leave every arrival
-    counter at 0 for the next launch."""
-    if m > 1:
-        skip_interpreted_16bit_dot(dtype)
-    n, k, k2 = (200, 320, 96) if INTERPRET else (1344, 2048, 768)
-    g = torch.Generator().manual_seed(m + k)
-    x, x2 = torch.randn(m, k, generator=g).to(DEVICE, dtype), torch.randn(m, k2, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    w2 = (torch.randn(n, k2, generator=g) / k2 ** 0.5).to(DEVICE, dtype)
-    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
-    for bk, k_split in ((64, 64), (32, 64), (64, 192)):
-        cfg = {"BLOCK_N": 16, "BLOCK_K": bk, "K_SPLIT": k_split, "num_warps": 4, "num_stages": 2, "DOT": m > 1}
-        for pair, ref in ((None, x.double() @ w.double().t()),
-                          ((x2, w2), x.double() @ w.double().t() + x2.double() @ w2.double().t())):
-            ys = [torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
-            for y in ys:
-                gemv.launch(x, w, y, cfg, pair=pair)
-            torch.testing.assert_close(ys[0].double(), ref, atol=tol * 4, rtol=tol, msg=f"{cfg} pair={pair is not None}")
-            assert torch.equal(ys[0], ys[1])
-            assert int(gemv.workspace(torch.device(DEVICE))[1].abs().sum()) == 0, "an arrival counter was left set"
-
-
-def test_split_k_candidate_shapes(monkeypatch):
-    """LATENTSERVE_GEMV_SPLIT_K=1 (opt-in until timed): split tiles from 2 rows, each program one K step."""
-    sms = gemv.sm_count(torch.device(DEVICE))
-    assert "K_SPLIT" not in gemv.shape(8, 1344, 2048, sms)
-    monkeypatch.setenv("LATENTSERVE_GEMV_SPLIT_K", "1")
-    assert "K_SPLIT" not in gemv.shape(1, 1344, 2048, sms)
-    for m in (2, 16, 64):
-        cfg = gemv.shape(m, 1344, 2048, sms)
-        assert cfg["K_SPLIT"] == cfg["BLOCK_K"] and cfg["DOT"]
-
-
 def test_leading_dims_and_strided_rows():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 200, generator=g).to(DEVICE)[..., :96]  # rows strided, last dim contiguous
