@@ -375,6 +375,8 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
              # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).
              "mla_no_prefetch": {"LATENTSERVE_MLA_PREFETCH": "0"},
+             # Candidate, not yet timed: MLA decode from 17 programs on 8 warps capped at 128 registers.
+             "mla_8_warps": {"LATENTSERVE_MLA_8_WARPS": "1"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64], help="context tile widths the sweep tries")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warp counts the sweep tries")
     ap.add_argument("--prefetch", action="store_true", help="the sweep also tries prefetched block tables (PREFETCH_BT)")
+    ap.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps the sweep tries (0: none)")
     ap.add_argument("--write-kv", action="store_true", help="the kernel writes and attends each sequence's new token")
     ap.add_argument("--in-order", action="store_true", help="blocks in order (a fresh engine's), not shuffled")
     ap.add_argument("--json")
@@ -98,11 +99,12 @@ def main() -> None:
         if args.sweep:
             best, tried = (t_ours, default), []
             prefetch = (False, True) if args.prefetch else (False,)
-            space = itertools.product(args.splits, args.block_n, args.warps, args.stages, prefetch)
-            for splits, bn, warps, stages, pf in space:
+            space = itertools.product(args.splits, args.block_n, args.warps, args.stages, prefetch, args.maxnreg)
+            for splits, bn, warps, stages, pf, maxnreg in space:
                 if b * splits > 8192:
                     continue
-                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PREFETCH_BT": pf}
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PREFETCH_BT": pf,
+                       **({"maxnreg": maxnreg} if maxnreg else {})}
                 try:
                     err = (run(variants[0], splits, cfg) - ref).abs().max().item()
                     t = graph_seconds(lambda v: run(v, splits, cfg), variants, reps=2)  # noqa: B023
