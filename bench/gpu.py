@@ -377,6 +377,10 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "mla_no_prefetch": {"LATENTSERVE_MLA_PREFETCH": "0"},
              # Candidate, not yet timed: MLA decode from 17 programs on 8 warps capped at 128 registers.
              "mla_8_warps": {"LATENTSERVE_MLA_8_WARPS": "1"},
+             # Candidate, not yet timed: the expert selection inside the gate/up kernel (batches <= 16).
+             "route_in_gate_up": {"LATENTSERVE_MOE_ROUTE_IN_GATE_UP": "1"},
+             # Candidate, not yet timed: the MoE entry kernel's rows read in whole-K slices (batch 1).
+             "entry_whole_k": {"LATENTSERVE_MOE_ENTRY_WHOLE_K": "1"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

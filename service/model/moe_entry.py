@@ -109,6 +109,11 @@ if triton is not None:
         logits = torch.empty(1, experts, dtype=torch.float32, device=x.device)
         x = x if x.stride(-1) == 1 else x.contiguous()
         bn, bk = 8, min(512, triton.next_power_of_2(k))
+        if os.environ.get("LATENTSERVE_MOE_ENTRY_WHOLE_K", "0") == "1":
+            # Not yet timed (bench/gpu.py's `entry_whole_k`): as the one-row GEMV since run 39, each
+            # program's whole K slice in one step, all of it requested before the PDL wait (sm_90:
+            # 170 registers, no spills, 8 weight loads a thread ahead of the wait, 4 before).
+            bn, bk = 4, min(2048, triton.next_power_of_2(k))
         grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
         _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, k, latent_dim, inter, experts,
                                down.stride(0), shared_gate_up.stride(0), router.stride(0), float(beta),

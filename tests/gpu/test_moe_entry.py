@@ -26,9 +26,12 @@ pytestmark = kernel_marks(300)
 
 @pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_entry_matches_separate_ops(act, beta, linear_beta, dtype):
+@pytest.mark.parametrize("k,whole_k", [(96, False), (1100, False), (96, True), (2100, True)])
+def test_entry_matches_separate_ops(act, beta, linear_beta, dtype, k, whole_k, monkeypatch):
+    """K in one step and in several; LATENTSERVE_MOE_ENTRY_WHOLE_K=1 (2048-wide steps: 2100 takes two)."""
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_WHOLE_K", "1" if whole_k else "0")
     g = torch.Generator().manual_seed(7)
-    k, latent, inter, experts = 96, 40, 24, 20  # none a multiple of the 8-row blocks
+    latent, inter, experts = 40, 24, 20  # none a multiple of the 4- or 8-row blocks
     x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
     down = (torch.randn(latent, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
     shared = (torch.randn(2 * inter, k, generator=g) * 2 / k ** 0.5).to(DEVICE, dtype)

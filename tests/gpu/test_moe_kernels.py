@@ -150,3 +150,38 @@ def test_experts_bf16_match_the_torch_path(m):
                     lambda a, b: torch.nn.functional.silu(a) * b)
     err = (got.double().cpu() - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group,softmax", [
+    (64, 8, 8, 4, False), (16, 4, 4, 2, False), (48, 6, 1, 1, False), (32, 4, 1, 1, True)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_equal_select_then_experts(experts, top_k, n_group, topk_group, softmax, m, dtype):
+    """The selection inside the gate/up kernel (moe.route_in_gate_up) is the selection kernel's
+    code on the same logits: bit for bit the output of `route_select` then `experts`."""
+    g = torch.Generator().manual_seed(experts * m + top_k)
+    width, shard = 160, 48
+    x = torch.randn(m, width, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(experts, 2 * shard, width, generator=g) * 0.1).to(DEVICE, dtype)
+    w2 = (torch.randn(experts, width, shard, generator=g) * 0.1).to(DEVICE, dtype)
+    logits = torch.randn(m, experts, generator=g).to(DEVICE)
+    bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE)
+    route = (n_group, topk_group, top_k, True, 2.5, softmax)
+    weights, ids = torch.ops.latentserve.moe_route_select(logits, bias, *route)
+    ref = torch.ops.latentserve.moe_experts(x, w13, w2, weights, ids, "situ", 4.0, 8.0)
+    got = torch.ops.latentserve.moe_routed_experts(x, w13, w2, logits, bias, *route, "situ", 4.0, 8.0)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_moe_layer_routes_in_gate_up(tokens, monkeypatch):
+    """A latent MoE layer with LATENTSERVE_MOE_ROUTE_IN_GATE_UP=1: one token (router logits from the
+    entry kernel) and five (from the logits kernel) give the layer's output without it."""
+    from test_moe_entry import latent_moe_layer
+
+    layer, x = latent_moe_layer("k3-tiny")
+    x = torch.randn(tokens, x.shape[1], generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    ref = layer(x)
+    monkeypatch.setenv("LATENTSERVE_MOE_ROUTE_IN_GATE_UP", "1")
+    assert layer._routed(x, layer.routed_expert_down_proj(x)) is not None
+    torch.testing.assert_close(layer(x), ref, atol=1e-6, rtol=1e-6)
