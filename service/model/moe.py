@@ -254,7 +254,8 @@ class MoE(nn.Module):
         """The routed experts with the selection inside the gate/up kernel (`route_in_gate_up`),
         from the router logits given or computed here; None where that path does not apply."""
         gate, ex = self.gate, self.experts
-        if not (route_in_gate_up() and ex.w13_scale_inv is None and moe_kernels.experts_supported(routed_in, ex.act_name)
+        if not (route_in_gate_up() and ex.w13_scale_inv is None
+                and moe_kernels.experts_supported(routed_in, ex.act_name)
                 and moe_kernels.route_supported(x, ex.num_experts, gate.n_group)):
             return None
         if logits is None:

@@ -4,10 +4,8 @@ A decode step on a GPU is launch-bound (bench/RESULTS.md): the torch router runs
 the grouped-GEMM experts ~15. Here:
 
 - `route`: two kernels: the router GEMV in fp32 (many programs of a few experts each, so the
-  router weight streams through many SMs even for one token), then one program per token:
-  sigmoid or softmax, the correction bias, the group-limited choice (top-2 sum per group, top
-  groups), the top-k by repeated argmax, the weights of the chosen experts (normalized,
-  scaled). Same math as moe.route.
+  router weight streams through many SMs even for one token), then moe_select's kernel, one
+  program per token.
 - `experts`: for few tokens (M x top_k pairs small), GEMV-shaped kernels that read only the
   chosen experts' rows: (1) each (token, slot) pair's gate and up rows of w13 against the
   token's input, the gated activation (SiLU or SiTU) in the epilogue; (2) each pair's weighted
@@ -27,7 +25,7 @@ import os
 
 import torch
 
-from . import act_kernels, pdl
+from . import act_kernels, moe_select, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
@@ -148,64 +146,6 @@ if triton is not None:
         tl.store(logits_ptr + t[:, None] * stride_l + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
 
     @triton.jit
-    def _choose(logits_ptr, bias_ptr, t, stride_l, E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
-                TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
-                SOFTMAX: tl.constexpr):
-        """Token t's experts [K_PAD] and weights before scaling: scores, bias, groups, top-k."""
-        e = tl.arange(0, E_PAD)
-        emask = e < E
-        logits = tl.load(logits_ptr + t * stride_l + e, mask=emask, other=0.0)
-        if SOFTMAX:
-            z = tl.where(emask, logits, float("-inf"))
-            z = tl.exp(z - tl.max(z, 0))
-            scores = z / tl.sum(z, 0)
-        else:
-            scores = tl.sigmoid(logits)
-        bias = tl.load(bias_ptr + e, mask=emask, other=0.0)
-        choice = tl.where(emask, scores + bias, float("-inf"))
-        if N_GROUP > 1:
-            per: tl.constexpr = E_PAD // N_GROUP
-            grouped = tl.reshape(choice, [N_GROUP, per])
-            col = tl.arange(0, per)
-            first = tl.argmax(grouped, 1)
-            top1 = tl.max(grouped, 1)
-            top2 = tl.max(tl.where(col[None, :] == first[:, None], float("-inf"), grouped), 1)
-            gscore = top1 + top2
-            g = tl.arange(0, N_GROUP)
-            keep = tl.zeros([N_GROUP], tl.int1)
-            for _ in tl.static_range(TOPK_GROUP):
-                best = tl.argmax(tl.where(keep, float("-inf"), gscore), 0)
-                keep = keep | (g == best)
-            keep_e = tl.reshape(tl.broadcast_to(keep[:, None], [N_GROUP, per]), [E_PAD])
-            choice = tl.where(keep_e, choice, float("-inf"))
-        ks = tl.arange(0, K_PAD)
-        chosen = tl.zeros([K_PAD], tl.int64)
-        w = tl.zeros([K_PAD], tl.float32)
-        for j in tl.static_range(TOP_K):
-            best = tl.argmax(choice, 0)
-            chosen = tl.where(ks == j, best.to(tl.int64), chosen)
-            w = tl.where(ks == j, tl.sum(tl.where(e == best, scores, 0.0), 0), w)
-            choice = tl.where(e == best, float("-inf"), choice)
-        if NORM:
-            w = w / (tl.sum(w, 0) + 1e-20)
-        return chosen, w
-
-    @triton.jit
-    def _route_select_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
-                             E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
-                             TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                             NORM: tl.constexpr, SOFTMAX: tl.constexpr, PDL: tl.constexpr):
-        """Program per token: its experts and weights."""
-        pdl.enter(PDL)
-        t = tl.program_id(0)
-        chosen, w = _choose(logits_ptr, bias_ptr, t, stride_l, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM,
-                            SOFTMAX)
-        ks = tl.arange(0, K_PAD)
-        kmask = ks < TOP_K
-        tl.store(ids_ptr + t * TOP_K + ks, chosen, mask=kmask)
-        tl.store(weights_ptr + t * TOP_K + ks, w * scaling, mask=kmask)
-
-    @triton.jit
     def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, width, shard, stride_x, stride_we, stride_wn, stride_h,
                         beta, linear_beta, logits_ptr, bias_ptr, weights_ptr, stride_l, scaling,
                         TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
@@ -213,7 +153,7 @@ if triton is not None:
                         E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         K_PAD: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr):
         """ROUTE: every program chooses its token's experts from the router logits itself (what
-        `_route_select_kernel` does, so the same ids and weights), and the row block 0 programs
+        `moe_select`'s kernel does, so the same ids and weights), and the row block 0 programs
         store them for the down kernel: the selection needs no launch of its own."""
         pdl.enter(PDL)
         p = tl.program_id(0)  # (token, slot) pair
@@ -221,8 +161,8 @@ if triton is not None:
         nmask = n < shard
         t = p // TOP_K
         if ROUTE:
-            chosen, w = _choose(logits_ptr, bias_ptr, t, stride_l, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM,
-                                SOFTMAX)
+            chosen, w = moe_select.choose(logits_ptr, bias_ptr, t, stride_l, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K,
+                                          K_PAD, NORM, SOFTMAX)
             slot = tl.arange(0, K_PAD) == p % TOP_K
             expert = tl.sum(tl.where(slot, chosen, 0), 0)
             if tl.program_id(1) == 0:
@@ -286,7 +226,8 @@ def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: i
     weights = torch.empty(x.shape[0], top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(x.shape[0], top_k, dtype=torch.long, device=x.device)
     if x.shape[0]:
-        _select(_logits(x, weight), bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
+        moe_select.select(_logits(x, weight), bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob,
+                          scaling, softmax)
     return weights, ids
 
 
@@ -314,22 +255,6 @@ def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _choice_meta(num_experts: int, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
-                 softmax: bool) -> dict:
-    """`_choose`'s constexprs."""
-    return dict(E=num_experts, E_PAD=triton.next_power_of_2(num_experts), N_GROUP=max(1, n_group),
-                TOPK_GROUP=max(1, topk_group), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                NORM=bool(norm_topk_prob), SOFTMAX=bool(softmax))
-
-
-def _select(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_group: int,
-            topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, softmax: bool) -> None:
-    meta = _choice_meta(logits.shape[1], n_group, topk_group, top_k, norm_topk_prob, softmax)
-    _route_select_kernel[(logits.shape[0],)](
-        logits, bias, weights, ids, logits.stride(0), float(scaling), **meta,
-        num_warps=4 if meta["E_PAD"] <= 256 else 8, **pdl.launch(logits.device))
-
-
 def expert_configs(pairs: int) -> tuple[dict, dict]:
     """Launch shapes of the gate/up and down kernels by (token, slot) pairs: the best of
     bench/gemv.py --sweep on the H200 (small preset, 2026-12-03: 8 pairs 13.0 -> 11.0 us and
@@ -344,7 +269,7 @@ def expert_configs(pairs: int) -> tuple[dict, dict]:
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
              ids: torch.Tensor | None, act: str, beta: float, linear_beta: float | None,
              route: tuple | None = None) -> torch.Tensor:
-    """route = (logits [M, E] fp32, bias, `_choice_meta`, scaling): the gate/up kernel chooses."""
+    """route = (logits [M, E] fp32, bias, `moe_select.meta`, scaling): the gate/up kernel chooses."""
     m, width = x.shape
     top_k = ids.shape[1] if route is None else route[2]["TOP_K"]
     shard = w2.shape[2]
@@ -416,7 +341,8 @@ if triton is not None:
         weights = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
         ids = torch.empty(m, top_k, dtype=torch.long, device=logits.device)
         if m:
-            _select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
+            moe_select.select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling,
+                              softmax)
         return weights, ids
 
     @route_select.register_fake
@@ -440,7 +366,7 @@ if triton is not None:
                        n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, softmax: bool,
                        act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
         """`route_select` then `experts`, with the selection inside the gate/up kernel."""
-        meta = _choice_meta(logits.shape[1], n_group, topk_group, top_k, norm_topk_prob, softmax)
+        meta = moe_select.meta(logits.shape[1], n_group, topk_group, top_k, norm_topk_prob, softmax)
         return _experts(x, w13, w2, None, None, act, beta, linear_beta, route=(logits, bias, meta, scaling))
 
     @routed_experts.register_fake
