@@ -381,6 +381,11 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "route_in_gate_up": {"LATENTSERVE_MOE_ROUTE_IN_GATE_UP": "1"},
              # Candidate, not yet timed: the MoE entry kernel's rows read in whole-K slices (batch 1).
              "entry_whole_k": {"LATENTSERVE_MOE_ENTRY_WHOLE_K": "1"},
+             # Candidate, not yet timed: the entry kernel for 2-64 rows on tensor-core tiles.
+             "entry_rows": {"LATENTSERVE_MOE_ENTRY_ROWS": "1"},
+             # The four candidates above at once (their sum).
+             "candidates_all": {"LATENTSERVE_MLA_8_WARPS": "1", "LATENTSERVE_MOE_ROUTE_IN_GATE_UP": "1",
+                                "LATENTSERVE_MOE_ENTRY_WHOLE_K": "1", "LATENTSERVE_MOE_ENTRY_ROWS": "1"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

@@ -32,8 +32,8 @@ group() {  # name, seconds, pytest args...
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
 if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
-  timeout "$(( $(left) > 300 ? 300 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,64 --baselines no_pdl,mla_8_warps,route_in_gate_up,entry_whole_k \
+  timeout "$(( $(left) > 420 ? 420 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
+    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,64 --baselines mla_8_warps,route_in_gate_up,entry_whole_k,entry_rows,candidates_all \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260

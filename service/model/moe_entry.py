@@ -1,4 +1,5 @@
-"""The MoE layer's three reads of its input, in one kernel, for one-token decode steps.
+"""The MoE layer's three reads of its input, in one kernel, for decode steps of one token (and,
+opt-in, of 2-64 on tensor-core tiles: `rows_enabled`).
 
 A latent MoE layer starts with three projections of the same normed hidden row: the router's
 logits (fp32), the latent down-projection, and the shared experts' gate/up with their
@@ -28,13 +29,22 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
+def rows_enabled() -> bool:
+    """LATENTSERVE_MOE_ENTRY_ROWS=1 (not yet timed; bench/gpu.py's `entry_rows`): 2-64 rows on
+    tensor-core tiles as well (`_entry_rows_kernel`), where three projections, the activation and
+    their launches ran separately (at batch 8 on the H200: router 4.1 us, latent down and shared
+    gate/up ~4.9 each, the activation 1.4; run 39)."""
+    return os.environ.get("LATENTSERVE_MOE_ENTRY_ROWS", "0") == "1"
+
+
 def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor,
               act: str) -> bool:
-    """One row, every weight in x's dtype (not FP8), the three of them gemv-sized; the MoE kernels
-    on (LATENTSERVE_MOE_ENTRY=0 keeps three separate launches: the bench's baseline)."""
+    """One row (or up to gemv.max_rows() with `rows_enabled`), every weight in x's dtype (not
+    FP8), the three of them gemv-sized; the MoE kernels on (LATENTSERVE_MOE_ENTRY=0 keeps three
+    separate launches: the bench's baseline)."""
     if os.environ.get("LATENTSERVE_MOE_ENTRY", "1") == "0" or not moe_kernels.enabled():
         return False
-    if x.dim() != 2 or x.shape[0] != 1 or act not in gemv.ACTS:
+    if x.dim() != 2 or not (x.shape[0] == 1 or (x.shape[0] > 1 and rows_enabled())) or act not in gemv.ACTS:
         return False
     return all(gemv.supported(x, w) for w in (down, shared_gate_up, router))
 
@@ -101,13 +111,86 @@ if triton is not None:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL), mask=n < E)
 
+    @triton.jit
+    def _tiles(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        """x[m] @ w[n]^T in fp32 on tensor cores, the first weight tile before the PDL wait."""
+        k = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
+                     other=0.0)
+        pdl.enter(PDL)
+        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+        acc = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, True, IEEE)
+        return gemv._accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, True,
+                                IEEE)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _entry_rows_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr,
+                           M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, beta, linear_beta,
+                           ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        """`_entry_kernel` for 2-64 rows: programs split the three weights' rows between them and
+        multiply all the rows (padded to a 16 or 64-row tile) on tensor cores, as gemv.py's
+        tiles do; the shared experts' gate and up tiles share one pass, the activation in the
+        epilogue. Outputs are row-major [M, L], [M, INTER], [M, E]."""
+        pid = tl.program_id(0)
+        p_down = tl.cdiv(L, BLOCK_N)
+        p_shared = tl.cdiv(INTER, BLOCK_N)
+        dtype = latent_ptr.dtype.element_ty
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < M
+        if pid < p_down:
+            n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _tiles(x_ptr, down_ptr, m, n, mmask, n < L, K, stride_x, stride_d, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                         PDL)
+            tl.store(latent_ptr + m[:, None] * L + n[None, :], acc.to(dtype), mask=mmask[:, None] & (n < L)[None, :])
+        elif pid < p_down + p_shared:
+            n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < INTER
+            rows = shared_ptr + n[:, None].to(tl.int64) * stride_s
+            k = tl.arange(0, BLOCK_K)
+            wmask = nmask[:, None] & (k < K)[None, :]
+            g = tl.load(rows + k[None, :], mask=wmask, other=0.0)
+            u = tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0)
+            pdl.enter(PDL)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+            acc_g = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, g, True, IEEE)
+            acc_u = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, u, True, IEEE)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < K
+                wmask = nmask[:, None] & kmask[None, :]
+                xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
+                             other=0.0)
+                acc_g = gemv._product(acc_g, xv, tl.load(rows + k[None, :], mask=wmask, other=0.0), True, IEEE)
+                acc_u = gemv._product(acc_u, xv, tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0),
+                                      True, IEEE)
+            h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
+            tl.store(h_ptr + m[:, None] * INTER + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
+        else:
+            n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _tiles(x_ptr, router_ptr, m, n, mmask, n < E, K, stride_x, stride_r, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                         PDL)
+            tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
+
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta):
-        k = x.shape[1]
+        m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
-        latent = torch.empty(1, latent_dim, dtype=x.dtype, device=x.device)
-        h = torch.empty(1, inter, dtype=x.dtype, device=x.device)
-        logits = torch.empty(1, experts, dtype=torch.float32, device=x.device)
+        latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
+        h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+        logits = torch.empty(m, experts, dtype=torch.float32, device=x.device)
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if m > 1:
+            bm, bn = gemv.rows_tile(m, True), 16
+            bk = max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k)))  # gate + up + x: <= 48 KB a stage
+            grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
+            _entry_rows_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, m, k, latent_dim, inter,
+                                        experts, x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0),
+                                        float(beta), float(linear_beta or 1.0), ACT=gemv.ACTS[act],
+                                        CLIP_UP=linear_beta is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3,
+                                        **pdl.launch(x.device))
+            return latent, h, logits
         bn, bk = 8, min(512, triton.next_power_of_2(k))
         if os.environ.get("LATENTSERVE_MOE_ENTRY_WHOLE_K", "0") == "1":
             # Not yet timed (bench/gpu.py's `entry_whole_k`): as the one-row GEMV since run 39, each
@@ -124,10 +207,11 @@ if triton is not None:
     @torch.library.custom_op("latentserve::moe_entry", mutates_args=())
     def entry(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor, act: str,
               beta: float, linear_beta: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [1, H] -> (x @ down^T [1, L], act(x @ gate^T) * (x @ up^T) [1, I], fp32 x @ router^T [1, E])."""
+        """x [M, H] -> (x @ down^T [M, L], act(x @ gate^T) * (x @ up^T) [M, I], fp32 x @ router^T [M, E])."""
         return _entry(x, down, shared_gate_up, router, act, beta, linear_beta)
 
     @entry.register_fake
     def _(x, down, shared_gate_up, router, act, beta, linear_beta):
-        return (x.new_empty(1, down.shape[0]), x.new_empty(1, shared_gate_up.shape[0] // 2),
-                x.new_empty(1, router.shape[0], dtype=torch.float32))
+        m = x.shape[0]
+        return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
+                x.new_empty(m, router.shape[0], dtype=torch.float32))

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_env import DEVICE, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
 
 require_kernel_device()
 
@@ -52,9 +52,51 @@ def test_entry_matches_separate_ops(act, beta, linear_beta, dtype, k, whole_k, m
     torch.testing.assert_close(h.double(), ref, atol=8 * tol, rtol=2 * tol)
 
 
+@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k", [(3, 96), (16, 600), (40, 96)])
+def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k, monkeypatch):
+    """LATENTSERVE_MOE_ENTRY_ROWS=1: 2-64 rows on tensor-core tiles (16 and 64-row tiles, K in one
+    step and several) against float64 references of the three projections and the activation."""
+    skip_interpreted_16bit_dot(dtype)
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_ROWS", "1")
+    g = torch.Generator().manual_seed(m + k)
+    latent, inter, experts = 40, 24, 20
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    down = (torch.randn(latent, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    shared = (torch.randn(2 * inter, k, generator=g) * 2 / k ** 0.5).to(DEVICE, dtype)
+    router = (torch.randn(experts, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    assert moe_entry.supported(x, down, shared, router, act)
+    lat, h, logits = torch.ops.latentserve.moe_entry(x, down, shared, router, act, beta, linear_beta)
+    assert (lat.shape, h.shape, logits.shape) == ((m, latent), (m, inter), (m, experts))
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    xd = x.double()
+    torch.testing.assert_close(lat.double(), xd @ down.double().t(), atol=4 * tol, rtol=tol)
+    torch.testing.assert_close(logits.double(), xd @ router.double().t(), atol=1e-4, rtol=1e-4)
+    gu = xd @ shared.double().t()
+    gd, ud = gu[:, :inter], gu[:, inter:]
+    if act == "silu":
+        ref = torch.nn.functional.silu(gd) * ud
+    else:
+        ref = beta * torch.tanh(gd / beta) * torch.sigmoid(gd) * (linear_beta * torch.tanh(ud / linear_beta))
+    torch.testing.assert_close(h.double(), ref, atol=8 * tol, rtol=2 * tol)
+
+
+def test_entry_rows_in_a_latent_moe_layer(monkeypatch):
+    """Five tokens through a latent MoE layer: the multi-row entry kernel's output equals the
+    separate ops' (router, latent down, shared gate/up)."""
+    layer, x = latent_moe_layer("k3-tiny")
+    x = torch.randn(5, x.shape[1], generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    assert layer._entry(x) is None
+    separate = layer(x)
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_ROWS", "1")
+    assert layer._entry(x) is not None
+    torch.testing.assert_close(layer(x), separate, atol=1e-5, rtol=1e-4)
+
+
 def test_not_for_more_rows_or_other_dtypes():
     w = torch.randn(16, 32).to(DEVICE)
-    assert not moe_entry.supported(torch.randn(2, 32).to(DEVICE), w, w, w, "silu")
+    assert not moe_entry.supported(torch.randn(2, 32).to(DEVICE), w, w, w, "silu")  # rows: opt-in
     assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w, w, w, "gelu")
     assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w.to(torch.bfloat16), w, w, "silu")
 

@@ -173,14 +173,16 @@ def test_routed_experts_equal_select_then_experts(experts, top_k, n_group, topk_
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_moe_layer_routes_in_gate_up(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens,entry_rows", [(1, False), (5, False), (5, True)])
+def test_moe_layer_routes_in_gate_up(tokens, entry_rows, monkeypatch):
     """A latent MoE layer with LATENTSERVE_MOE_ROUTE_IN_GATE_UP=1: one token (router logits from the
-    entry kernel) and five (from the logits kernel) give the layer's output without it."""
+    entry kernel) and five (from the logits kernel, or the multi-row entry kernel) give the
+    layer's output without it."""
     from test_moe_entry import latent_moe_layer
 
     layer, x = latent_moe_layer("k3-tiny")
     x = torch.randn(tokens, x.shape[1], generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_ROWS", "1" if entry_rows else "0")
     ref = layer(x)
     monkeypatch.setenv("LATENTSERVE_MOE_ROUTE_IN_GATE_UP", "1")
     assert layer._routed(x, layer.routed_expert_down_proj(x)) is not None
