@@ -229,7 +229,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         entry = self._entry(x)
-        if entry is not None:  # one token: router, latent down and shared gate/up in one kernel
+        if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
             routed_partial = self._routed(x, latent, logits)
             if routed_partial is None:
