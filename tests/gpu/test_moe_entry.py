@@ -24,43 +24,11 @@ from service.parallel import TPGroup  # noqa: E402
 pytestmark = kernel_marks(300)
 
 
-@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("k,whole_k", [(96, False), (1100, False), (96, True), (2100, True)])
-def test_entry_matches_separate_ops(act, beta, linear_beta, dtype, k, whole_k, monkeypatch):
-    """K in one step and in several; LATENTSERVE_MOE_ENTRY_WHOLE_K=1 (2048-wide steps: 2100 takes two)."""
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_WHOLE_K", "1" if whole_k else "0")
-    g = torch.Generator().manual_seed(7)
-    latent, inter, experts = 40, 24, 20  # none a multiple of the 4- or 8-row blocks
-    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
-    down = (torch.randn(latent, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    shared = (torch.randn(2 * inter, k, generator=g) * 2 / k ** 0.5).to(DEVICE, dtype)
-    router = (torch.randn(experts, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    assert moe_entry.supported(x, down, shared, router, act)
-    lat, h, logits = torch.ops.latentserve.moe_entry(x, down, shared, router, act, beta, linear_beta)
-    assert (lat.dtype, h.dtype, logits.dtype) == (dtype, dtype, torch.float32)
-    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
-    xd = x.double()
-    torch.testing.assert_close(lat.double(), xd @ down.double().t(), atol=4 * tol, rtol=tol)
-    torch.testing.assert_close(logits.double(), xd @ router.double().t(), atol=1e-5, rtol=1e-5)
-    gu = xd @ shared.double().t()
-    gd, ud = gu[:, :inter], gu[:, inter:]
-    if act == "silu":
-        ref = torch.nn.functional.silu(gd) * ud
-    else:
-        ref = beta * torch.tanh(gd / beta) * torch.sigmoid(gd) * (linear_beta * torch.tanh(ud / linear_beta))
-    torch.testing.assert_close(h.double(), ref, atol=8 * tol, rtol=2 * tol)
-
-
-@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m,k", [(3, 96), (16, 600), (40, 96)])
-def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k, monkeypatch):
-    """LATENTSERVE_MOE_ENTRY_ROWS=1: 2-64 rows on tensor-core tiles (16 and 64-row tiles, K in one
-    step and several) against float64 references of the three projections and the activation."""
-    skip_interpreted_16bit_dot(dtype)
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_ROWS", "1")
-    g = torch.Generator().manual_seed(m + k)
+def check_entry(m: int, k: int, act: str, beta: float, linear_beta: float | None, dtype: torch.dtype, seed: int,
+                logit_tol: float) -> None:
+    """The entry op on m rows against float64 references of the three projections and the
+    activation (latent 40, shared 24, 20 experts: none a multiple of the 4-16-row blocks)."""
+    g = torch.Generator().manual_seed(seed)
     latent, inter, experts = 40, 24, 20
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     down = (torch.randn(latent, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
@@ -69,10 +37,11 @@ def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k, monk
     assert moe_entry.supported(x, down, shared, router, act)
     lat, h, logits = torch.ops.latentserve.moe_entry(x, down, shared, router, act, beta, linear_beta)
     assert (lat.shape, h.shape, logits.shape) == ((m, latent), (m, inter), (m, experts))
+    assert (lat.dtype, h.dtype, logits.dtype) == (dtype, dtype, torch.float32)
     tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
     xd = x.double()
     torch.testing.assert_close(lat.double(), xd @ down.double().t(), atol=4 * tol, rtol=tol)
-    torch.testing.assert_close(logits.double(), xd @ router.double().t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits.double(), xd @ router.double().t(), atol=logit_tol, rtol=logit_tol)
     gu = xd @ shared.double().t()
     gd, ud = gu[:, :inter], gu[:, inter:]
     if act == "silu":
@@ -80,6 +49,27 @@ def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k, monk
     else:
         ref = beta * torch.tanh(gd / beta) * torch.sigmoid(gd) * (linear_beta * torch.tanh(ud / linear_beta))
     torch.testing.assert_close(h.double(), ref, atol=8 * tol, rtol=2 * tol)
+
+
+@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k,whole_k", [(96, False), (1100, False), (96, True), (2100, True)])
+def test_entry_matches_separate_ops(act, beta, linear_beta, dtype, k, whole_k, monkeypatch):
+    """One row, K in one step and in several; LATENTSERVE_MOE_ENTRY_WHOLE_K=1 (2048-wide steps:
+    2100 takes two)."""
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_WHOLE_K", "1" if whole_k else "0")
+    check_entry(1, k, act, beta, linear_beta, dtype, 7, 1e-5)
+
+
+@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k", [(3, 96), (16, 600), (40, 96)])
+def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k, monkeypatch):
+    """LATENTSERVE_MOE_ENTRY_ROWS=1: 2-64 rows on tensor-core tiles (16 and 64-row tiles, K in one
+    step and several)."""
+    skip_interpreted_16bit_dot(dtype)
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_ROWS", "1")
+    check_entry(m, k, act, beta, linear_beta, dtype, m + k, 1e-4)
 
 
 def test_entry_rows_in_a_latent_moe_layer(monkeypatch):
