@@ -121,28 +121,34 @@ if triton is not None:
             acc = _product(acc, xv, w, DOT, IEEE)
         return acc
 
-    # M only masks rows: specialized (== 1, % 16), each class of a mixed step's row count would
-    # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
-    @triton.jit(do_not_specialize=["M"])
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
-                     stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum).
-
-        The first weight tile is requested before the PDL wait: no kernel of the step writes
-        weights, so under PDL that load overlaps the previous kernel's tail, and only the
-        activation loads wait for it."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
-        nmask = n < N
-        mmask = m < M
+    @triton.jit
+    def _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+                    PDL: tl.constexpr):
+        """x[m] @ w[n]^T in fp32. The first weight tile is requested before the PDL wait: no kernel
+        of the step writes weights, so under PDL that load overlaps the previous kernel's tail, and
+        only the activation loads wait for it."""
         k = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
                      other=0.0)
         pdl.enter(PDL)
         xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
         acc = _product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, DOT, IEEE)
-        acc = _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE)
+        return _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE)
+
+    # M only masks rows: specialized (== 1, % 16), each class of a mixed step's row count would
+    # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
+                     stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        nmask = n < N
+        mmask = m < M
+        acc = _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
+                          IEEE, PDL)
         if PAIR:
             acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),

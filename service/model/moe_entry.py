@@ -111,19 +111,6 @@ if triton is not None:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL), mask=n < E)
 
-    @triton.jit
-    def _tiles(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        """x[m] @ w[n]^T in fp32 on tensor cores, the first weight tile before the PDL wait."""
-        k = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
-                     other=0.0)
-        pdl.enter(PDL)
-        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-        acc = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, True, IEEE)
-        return gemv._accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, True,
-                                IEEE)
-
     @triton.jit(do_not_specialize=["M"])
     def _entry_rows_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr,
                            M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, beta, linear_beta,
@@ -141,8 +128,8 @@ if triton is not None:
         mmask = m < M
         if pid < p_down:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = _tiles(x_ptr, down_ptr, m, n, mmask, n < L, K, stride_x, stride_d, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                         PDL)
+            acc = gemv._rows_times(x_ptr, down_ptr, m, n, mmask, n < L, K, stride_x, stride_d, BLOCK_M, BLOCK_N, BLOCK_K,
+                                   True, IEEE, PDL)
             tl.store(latent_ptr + m[:, None] * L + n[None, :], acc.to(dtype), mask=mmask[:, None] & (n < L)[None, :])
         elif pid < p_down + p_shared:
             n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,8 +156,8 @@ if triton is not None:
             tl.store(h_ptr + m[:, None] * INTER + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
         else:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = _tiles(x_ptr, router_ptr, m, n, mmask, n < E, K, stride_x, stride_r, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                         PDL)
+            acc = gemv._rows_times(x_ptr, router_ptr, m, n, mmask, n < E, K, stride_x, stride_r, BLOCK_M, BLOCK_N, BLOCK_K,
+                                   True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
 
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta):

@@ -277,21 +277,20 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     if m == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if route is None:
+    if route is None:  # the selection's pointers and constexprs go unread without ROUTE
         ids, weights = ids.contiguous(), weights.contiguous()
-        logits, bias, meta, scaling = weights, weights, {"ROUTE": False, "TOP_K": top_k}, 1.0
+        logits, bias, meta, scaling = weights, weights, moe_select.meta(1, 1, 1, top_k, False, False), 1.0
     else:
         logits, bias, meta, scaling = route
         ids = torch.empty(m, top_k, dtype=torch.long, device=x.device)
         weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-        meta = {"ROUTE": True, **meta}
-    meta = {"E": 1, "E_PAD": 1, "N_GROUP": 1, "TOPK_GROUP": 1, "K_PAD": 1, "NORM": False, "SOFTMAX": False, **meta}
     h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
     gate_cfg, down_cfg = expert_configs(m * top_k)
     _gate_up_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
         x, w13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         float(beta), float(linear_beta or 1.0), logits, bias, weights, logits.stride(0), float(scaling),
-        ACT=ACTS[act], CLIP_UP=linear_beta is not None, **meta, **gate_cfg, **pdl.launch(x.device))
+        ACT=ACTS[act], CLIP_UP=linear_beta is not None, ROUTE=route is not None, **meta, **gate_cfg,
+        **pdl.launch(x.device))
     # One program per (pair, 32 output rows), then the slot sum: a token's experts in parallel
     # (looping over them in one program left the kernel latency-bound: 41 us per layer at batch 1).
     width_out = w2.shape[1]
