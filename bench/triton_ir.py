@@ -46,7 +46,8 @@ def compile_split(block_n: int, warps: int, stages: int, write_kv: bool, prefetc
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and n not in UNSPECIALIZED}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
                                     constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
 
 
 def registers(ptx: str) -> tuple[int, int]:
