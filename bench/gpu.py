@@ -375,17 +375,15 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
              # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).
              "mla_no_prefetch": {"LATENTSERVE_MLA_PREFETCH": "0"},
-             # Candidate, not yet timed: MLA decode from 17 programs on 8 warps capped at 128 registers.
-             "mla_8_warps": {"LATENTSERVE_MLA_8_WARPS": "1"},
-             # Candidate, not yet timed: the expert selection inside the gate/up kernel (batches <= 16).
-             "route_in_gate_up": {"LATENTSERVE_MOE_ROUTE_IN_GATE_UP": "1"},
-             # Candidate, not yet timed: the MoE entry kernel's rows read in whole-K slices (batch 1).
-             "entry_whole_k": {"LATENTSERVE_MOE_ENTRY_WHOLE_K": "1"},
-             # Candidate, not yet timed: the entry kernel for 2-64 rows on tensor-core tiles.
-             "entry_rows": {"LATENTSERVE_MOE_ENTRY_ROWS": "1"},
-             # The four candidates above at once (their sum).
-             "candidates_all": {"LATENTSERVE_MLA_8_WARPS": "1", "LATENTSERVE_MOE_ROUTE_IN_GATE_UP": "1",
-                                "LATENTSERVE_MOE_ENTRY_WHOLE_K": "1", "LATENTSERVE_MOE_ENTRY_ROWS": "1"},
+             # The MoE entry kernel at one row only, separate launches from 2 rows (the default before
+             # run 43), and its one-row programs in 512-wide K steps (likewise).
+             "entry_one_row": {"LATENTSERVE_MOE_ENTRY_MAX_ROWS": "1"},
+             "entry_k512": {"LATENTSERVE_MOE_ENTRY_WHOLE_K": "0"},
+             # Candidate, not yet timed: the entry kernel up to 256 rows, in 64-row blocks.
+             "entry_rows_256": {"LATENTSERVE_MOE_ENTRY_MAX_ROWS": "256"},
+             # The grouped-GEMM experts from 5 tokens (at batch 8 each chosen expert's weights read
+             # once for all its tokens, where the GEMV experts read them once a (token, slot) pair).
+             "experts_grouped_at_8": {"LATENTSERVE_MOE_GEMV_MAX_TOKENS": "4"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

@@ -33,7 +33,7 @@ commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ech
 if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 420 ? 420 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,64 --baselines mla_8_warps,route_in_gate_up,entry_whole_k,entry_rows,candidates_all \
+    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,64 --baselines entry_rows_256,experts_grouped_at_8,no_pdl \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
@@ -49,8 +49,8 @@ if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
   fi
 fi
 if [ "$what" != bench ]; then
-  # 300 s: run 37 (2026-12-04) took 149 s for four of these files alone on a cold machine, and the
-  # candidates of 2026-12-04c add ~60 bf16 cases (routed experts, multi-row entry) never compiled yet.
+  # 300 s: run 37 (2026-12-04) took 149 s for four of these files alone on a cold machine; run 44
+  # 174 s for test_moe_entry, test_moe_kernels, test_mla_decode_kernel and test_gemv.
   group kernels 300 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \
     tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py \
     tests/gpu/test_mla_absorb.py tests/gpu/test_mla_decode_kernel.py

@@ -89,12 +89,8 @@ def launch_config(batch: int, num_heads: int) -> dict:
     # memory, 255 registers, 2 programs an SM): the sweep with the KV write and in-order blocks
     # (run 34, 2026-12-04) 41.1 -> 34.8 us at 64 sequences, 121.6 -> 98.2 us at 256. 16-token
     # tiles at 4 stages (3 buffers, 3 programs an SM) lost in the engine: batch 256 1.10x slower.
-    if os.environ.get("LATENTSERVE_MLA_8_WARPS", "0") == "1":
-        # Not yet timed (bench/gpu.py's `mla_8_warps`): ncu (run 28) found this kernel latency-bound,
-        # 2 programs of 4 warps an SM and 0.33 eligible warps a scheduler. 8 warps capped at 128
-        # registers compile for sm_90 without spills (bench/triton_ir.py --maxnreg 128; 142
-        # uncapped), so 2 programs of 8 warps fit an SM: twice the warps on the same shared memory.
-        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "PREFETCH_BT": True, "maxnreg": 128}
+    # Tried and removed (run 43): 8 warps capped at 128 registers (2 programs of 8 warps an SM, no
+    # spills) where ncu had found this one latency-bound: batch 64 1.05x, 256 1.12x slower.
     return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "PREFETCH_BT": True}
 
 

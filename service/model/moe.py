@@ -8,8 +8,6 @@ reduces them (fused or not) and applies the norm and the up-projection.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,14 +18,6 @@ from ..tail.base import TailRunner, latent_norm
 from . import cpu_kernels, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, act_params, frozen
-
-
-def route_in_gate_up() -> bool:
-    """LATENTSERVE_MOE_ROUTE_IN_GATE_UP=1 (not yet timed; bench/gpu.py's `route_in_gate_up`): at
-    the GEMV experts' token counts the gate/up kernel chooses the experts from the router logits
-    itself, one launch fewer a layer (the selection kernel: ~4 us a layer at batches 1 and 8 on
-    the H200, run 39)."""
-    return os.environ.get("LATENTSERVE_MOE_ROUTE_IN_GATE_UP", "0") == "1"
 
 
 class TopkRouter(KeepFloat32, nn.Module):
@@ -231,39 +221,20 @@ class MoE(nn.Module):
         entry = self._entry(x)
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
-            routed_partial = self._routed(x, latent, logits)
-            if routed_partial is None:
-                routed_partial = self.experts(latent, *self.gate.select(logits))
+            routed_partial = self.experts(latent, *self.gate.select(logits))
             out = self._one_rank_tail(routed_partial, h)
             if out is not None:
                 return out
             shared_partial = self.shared_experts.down_proj(h, reduce=False)
         else:
             routed_in = self.routed_expert_down_proj(x) if self.latent else x
-            routed_partial = self._routed(x, routed_in)
-            if routed_partial is None:
-                routed_partial = self.experts(routed_in, *self.gate(x))
+            routed_partial = self.experts(routed_in, *self.gate(x))
             shared_partial = (self.shared_experts(x, reduce=False) if self.shared_experts is not None
                               else torch.zeros_like(x))
         if not self.latent:
             return self.tp.all_reduce(routed_partial + shared_partial)
         return self.tail(routed_partial, shared_partial, self._norm_weight(), self.routed_expert_up_proj.weight,
                          self.eps)
-
-    def _routed(self, x: torch.Tensor, routed_in: torch.Tensor, logits: torch.Tensor | None = None):
-        """The routed experts with the selection inside the gate/up kernel (`route_in_gate_up`),
-        from the router logits given or computed here; None where that path does not apply."""
-        gate, ex = self.gate, self.experts
-        if not (route_in_gate_up() and ex.w13_scale_inv is None
-                and moe_kernels.experts_supported(routed_in, ex.act_name)
-                and moe_kernels.route_supported(x, ex.num_experts, gate.n_group)):
-            return None
-        if logits is None:
-            logits = moe_kernels.call(torch.ops.latentserve.moe_router_logits, x, gate.weight)
-        return None if logits is None else moe_kernels.call(
-            torch.ops.latentserve.moe_routed_experts, routed_in, ex.w13, ex.w2, logits, gate.e_score_correction_bias,
-            gate.n_group, gate.topk_group, gate.top_k, gate.norm_topk_prob, float(gate.scaling), gate.softmax,
-            ex.act_name, ex.act_beta, ex.act_linear_beta)
 
     def _norm_weight(self) -> torch.Tensor | None:
         return self.routed_expert_norm.weight if self.routed_expert_norm is not None else None

@@ -1,5 +1,5 @@
-"""The MoE layer's three reads of its input, in one kernel, for decode steps of one token (and,
-opt-in, of 2-64 on tensor-core tiles: `rows_enabled`).
+"""The MoE layer's three reads of its input, in one kernel, for decode steps of up to `max_rows`
+tokens (one row in registers, more on tensor-core tiles).
 
 A latent MoE layer starts with three projections of the same normed hidden row: the router's
 logits (fp32), the latent down-projection, and the shared experts' gate/up with their
@@ -29,24 +29,26 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
-def rows_enabled() -> bool:
-    """LATENTSERVE_MOE_ENTRY_ROWS=1 (not yet timed; bench/gpu.py's `entry_rows`): 2-64 rows on
-    tensor-core tiles as well (`_entry_rows_kernel`), where three projections, the activation and
-    their launches ran separately (at batch 8 on the H200: router 4.1 us, latent down and shared
-    gate/up ~4.9 each, the activation 1.4; run 39)."""
-    return os.environ.get("LATENTSERVE_MOE_ENTRY_ROWS", "0") == "1"
+def max_rows() -> int:
+    """Up to this many rows the entry kernel runs (LATENTSERVE_MOE_ENTRY_MAX_ROWS; 1: one row only,
+    the default before run 43; 0: never). From 2 rows its tensor-core tiles replace four launches
+    (router, latent down, shared gate/up, activation: 4.1 + 4.4 + 4.8 + 1.4 us a layer at batch 8,
+    run 39): batch 8 0.94x, batch 64 0.96x of the step with those launches (run 43, 2026-12-04).
+    Above 64 rows (opt-in until timed, bench/gpu.py's `entry_rows_256`) row blocks of 64 read each
+    weight tile once a block, where cuBLAS and the tiled router ran."""
+    return int(os.environ.get("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "64"))
 
 
 def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor,
               act: str) -> bool:
-    """One row (or up to gemv.max_rows() with `rows_enabled`), every weight in x's dtype (not
-    FP8), the three of them gemv-sized; the MoE kernels on (LATENTSERVE_MOE_ENTRY=0 keeps three
-    separate launches: the bench's baseline)."""
+    """1 to `max_rows` rows, every weight in x's dtype (not FP8), the three of them gemv-sized;
+    the MoE kernels on (LATENTSERVE_MOE_ENTRY=0 keeps three separate launches: the bench's
+    baseline)."""
     if os.environ.get("LATENTSERVE_MOE_ENTRY", "1") == "0" or not moe_kernels.enabled():
         return False
-    if x.dim() != 2 or not (x.shape[0] == 1 or (x.shape[0] > 1 and rows_enabled())) or act not in gemv.ACTS:
+    if x.dim() != 2 or not 0 < x.shape[0] <= max_rows() or act not in gemv.ACTS:
         return False
-    return all(gemv.supported(x, w) for w in (down, shared_gate_up, router))
+    return all(gemv.supported(x[:1], w) for w in (down, shared_gate_up, router))
 
 
 if triton is not None:
@@ -116,15 +118,17 @@ if triton is not None:
                            M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, beta, linear_beta,
                            ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        """`_entry_kernel` for 2-64 rows: programs split the three weights' rows between them and
-        multiply all the rows (padded to a 16 or 64-row tile) on tensor cores, as gemv.py's
+        """`_entry_kernel` from 2 rows: programs split the three weights' rows between them and
+        multiply a block of rows (padded to a 16 or 64-row tile) on tensor cores, as gemv.py's
         tiles do; the shared experts' gate and up tiles share one pass, the activation in the
-        epilogue. Outputs are row-major [M, L], [M, INTER], [M, E]."""
-        pid = tl.program_id(0)
+        epilogue. Row blocks are the grid's first axis, so the blocks reading one weight tile
+        run side by side and all but the first find it in L2. Outputs are row-major [M, L],
+        [M, INTER], [M, E]."""
+        pid = tl.program_id(1)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
         dtype = latent_ptr.dtype.element_ty
-        m = tl.arange(0, BLOCK_M)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = m < M
         if pid < p_down:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,19 +175,18 @@ if triton is not None:
             bm, bn = gemv.rows_tile(m, True), 16
             bk = max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k)))  # gate + up + x: <= 48 KB a stage
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
-            _entry_rows_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, m, k, latent_dim, inter,
-                                        experts, x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0),
-                                        float(beta), float(linear_beta or 1.0), ACT=gemv.ACTS[act],
-                                        CLIP_UP=linear_beta is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3,
-                                        **pdl.launch(x.device))
+            _entry_rows_kernel[(triton.cdiv(m, bm), grid)](
+                x, down, shared_gate_up, router, latent, h, logits, m, k, latent_dim, inter, experts, x.stride(0),
+                down.stride(0), shared_gate_up.stride(0), router.stride(0), float(beta), float(linear_beta or 1.0),
+                ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3, **pdl.launch(x.device))
             return latent, h, logits
-        bn, bk = 8, min(512, triton.next_power_of_2(k))
-        if os.environ.get("LATENTSERVE_MOE_ENTRY_WHOLE_K", "0") == "1":
-            # Not yet timed (bench/gpu.py's `entry_whole_k`): as the one-row GEMV since run 39, each
-            # program's whole K slice in one step, all of it requested before the PDL wait (sm_90:
-            # 170 registers, no spills, 8 weight loads a thread ahead of the wait, 4 before).
-            bn, bk = 4, min(2048, triton.next_power_of_2(k))
+        # As the one-row GEMV since run 39, each program's whole K slice (up to 2048) in one step,
+        # all of it requested before the PDL wait (sm_90: 170 registers, no spills): batch 1 0.99x
+        # of 8-row programs in 512-wide steps (run 43). LATENTSERVE_MOE_ENTRY_WHOLE_K=0 keeps those.
+        bn, bk = 4, min(2048, triton.next_power_of_2(k))
+        if os.environ.get("LATENTSERVE_MOE_ENTRY_WHOLE_K", "1") == "0":
+            bn, bk = 8, min(512, triton.next_power_of_2(k))
         grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
         _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, k, latent_dim, inter, experts,
                                down.stride(0), shared_gate_up.stride(0), router.stride(0), float(beta),

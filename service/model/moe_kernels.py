@@ -12,7 +12,6 @@ the grouped-GEMM experts ~15. Here:
   down projection in fp32, then (3) each token's sum over its slots in slot order
   (deterministic, no atomics). Roundings follow the torch path: GEMM
   outputs in the activation dtype, the activation as in layers.act_and_mul, the slot sum in fp32.
-- `routed_experts`: the selection inside the gate/up kernel (moe.route_in_gate_up, opt-in).
 
 Both are `torch.library` custom ops, so compiled decoder layers keep them opaque, and they run
 inside CUDA graphs (no host sync, shapes fixed by M). Callers check `*_supported` first and
@@ -147,29 +146,14 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, width, shard, stride_x, stride_we, stride_wn, stride_h,
-                        beta, linear_beta, logits_ptr, bias_ptr, weights_ptr, stride_l, scaling,
-                        TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr,
-                        E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                        K_PAD: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr):
-        """ROUTE: every program chooses its token's experts from the router logits itself (what
-        `moe_select`'s kernel does, so the same ids and weights), and the row block 0 programs
-        store them for the down kernel: the selection needs no launch of its own."""
+                        beta, linear_beta, TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl.enter(PDL)
         p = tl.program_id(0)  # (token, slot) pair
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < shard
         t = p // TOP_K
-        if ROUTE:
-            chosen, w = moe_select.choose(logits_ptr, bias_ptr, t, stride_l, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K,
-                                          K_PAD, NORM, SOFTMAX)
-            slot = tl.arange(0, K_PAD) == p % TOP_K
-            expert = tl.sum(tl.where(slot, chosen, 0), 0)
-            if tl.program_id(1) == 0:
-                tl.store(ids_ptr + p, expert)
-                tl.store(weights_ptr + p, tl.sum(tl.where(slot, w * scaling, 0.0), 0))
-        else:
-            expert = tl.load(ids_ptr + p).to(tl.int64)
+        expert = tl.load(ids_ptr + p).to(tl.int64)
         w_rows = w13_ptr + expert * stride_we + n[:, None] * stride_wn
         acc_g = tl.zeros([BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_N], tl.float32)
@@ -266,31 +250,22 @@ def expert_configs(pairs: int) -> tuple[dict, dict]:
             {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3})
 
 
-def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
-             ids: torch.Tensor | None, act: str, beta: float, linear_beta: float | None,
-             route: tuple | None = None) -> torch.Tensor:
-    """route = (logits [M, E] fp32, bias, `moe_select.meta`, scaling): the gate/up kernel chooses."""
+def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+             act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
     m, width = x.shape
-    top_k = ids.shape[1] if route is None else route[2]["TOP_K"]
+    top_k = ids.shape[1]
     shard = w2.shape[2]
     out = torch.empty(m, w2.shape[1], dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if route is None:  # the selection's pointers and constexprs go unread without ROUTE
-        ids, weights = ids.contiguous(), weights.contiguous()
-        logits, bias, meta, scaling = weights, weights, moe_select.meta(1, 1, 1, top_k, False, False), 1.0
-    else:
-        logits, bias, meta, scaling = route
-        ids = torch.empty(m, top_k, dtype=torch.long, device=x.device)
-        weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
+    ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
     gate_cfg, down_cfg = expert_configs(m * top_k)
     _gate_up_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
         x, w13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        float(beta), float(linear_beta or 1.0), logits, bias, weights, logits.stride(0), float(scaling),
-        ACT=ACTS[act], CLIP_UP=linear_beta is not None, ROUTE=route is not None, **meta, **gate_cfg,
-        **pdl.launch(x.device))
+        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None,
+        **gate_cfg, **pdl.launch(x.device))
     # One program per (pair, 32 output rows), then the slot sum: a token's experts in parallel
     # (looping over them in one program left the kernel latency-bound: 41 us per layer at batch 1).
     width_out = w2.shape[1]
@@ -323,15 +298,6 @@ if triton is not None:
         m = x.shape[0]
         return (x.new_empty(m, top_k, dtype=torch.float32), x.new_empty(m, top_k, dtype=torch.long))
 
-    @torch.library.custom_op("latentserve::moe_router_logits", mutates_args=())
-    def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [M, H] against the router weight [E, H] -> fp32 logits [M, E]: `route`'s first kernel."""
-        return _logits(x, weight) if x.shape[0] else x.new_empty(0, weight.shape[0], dtype=torch.float32)
-
-    @router_logits.register_fake
-    def _(x, weight):
-        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-
     @torch.library.custom_op("latentserve::moe_route_select", mutates_args=())
     def route_select(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                      norm_topk_prob: bool, scaling: float, softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,17 +324,4 @@ if triton is not None:
 
     @experts.register_fake
     def _(x, w13, w2, weights, ids, act, beta, linear_beta):
-        return x.new_empty(x.shape[0], w2.shape[1])
-
-    @torch.library.custom_op("latentserve::moe_routed_experts", mutates_args=())
-    def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor,
-                       n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, softmax: bool,
-                       act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
-        """`route_select` then `experts`, with the selection inside the gate/up kernel."""
-        meta = moe_select.meta(logits.shape[1], n_group, topk_group, top_k, norm_topk_prob, softmax)
-        return _experts(x, w13, w2, None, None, act, beta, linear_beta, route=(logits, bias, meta, scaling))
-
-    @routed_experts.register_fake
-    def _(x, w13, w2, logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax, act, beta,
-          linear_beta):
         return x.new_empty(x.shape[0], w2.shape[1])

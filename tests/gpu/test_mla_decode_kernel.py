@@ -111,9 +111,7 @@ def test_launch_variants_match_reference(dtype, tol, write):
         expected_kv.view(-1, lora + rope)[new["new_slots"]] = new["new_kv"]
     ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
     cfgs = [mla_decode.launch_config(64, heads), {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True},
-            {**mla_decode.launch_config(1, heads), "BLOCK_N": 16},
-            # the mla_8_warps candidate: 8 warps capped at 128 registers
-            {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "PREFETCH_BT": True, "maxnreg": 128}]
+            {**mla_decode.launch_config(1, heads), "BLOCK_N": 16}]
     for cfg, splits in itertools.product(cfgs, (1, 4, 16)):
         cache = kv.clone()
         out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
@@ -126,9 +124,5 @@ def test_launch_variants_match_reference(dtype, tol, write):
 def test_prefetch_launch_is_the_default_from_17_programs(monkeypatch):
     assert mla_decode.launch_config(64, 16)["PREFETCH_BT"] is True
     assert "PREFETCH_BT" not in mla_decode.launch_config(8, 16)  # few programs: the split table's shapes
-    assert "maxnreg" not in mla_decode.launch_config(64, 16)  # mla_8_warps: opt-in until timed
-    monkeypatch.setenv("LATENTSERVE_MLA_8_WARPS", "1")
-    assert mla_decode.launch_config(64, 16)["num_warps"] == 8 and "maxnreg" not in mla_decode.launch_config(8, 16)
-    monkeypatch.delenv("LATENTSERVE_MLA_8_WARPS")
     monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "0")  # bench/gpu.py's mla_no_prefetch baseline
     assert "PREFETCH_BT" not in mla_decode.launch_config(64, 16)

@@ -55,38 +55,42 @@ def check_entry(m: int, k: int, act: str, beta: float, linear_beta: float | None
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k,whole_k", [(96, False), (1100, False), (96, True), (2100, True)])
 def test_entry_matches_separate_ops(act, beta, linear_beta, dtype, k, whole_k, monkeypatch):
-    """One row, K in one step and in several; LATENTSERVE_MOE_ENTRY_WHOLE_K=1 (2048-wide steps:
-    2100 takes two)."""
+    """One row, K in one step and in several: whole-K slices (2048-wide steps: 2100 takes two) and
+    LATENTSERVE_MOE_ENTRY_WHOLE_K=0's 512-wide steps."""
     monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_WHOLE_K", "1" if whole_k else "0")
     check_entry(1, k, act, beta, linear_beta, dtype, 7, 1e-5)
 
 
 @pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m,k", [(3, 96), (16, 600), (40, 96)])
+@pytest.mark.parametrize("m,k", [(3, 96), (16, 600), (40, 96), (130, 96), (256, 600)])
 def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k, monkeypatch):
-    """LATENTSERVE_MOE_ENTRY_ROWS=1: 2-64 rows on tensor-core tiles (16 and 64-row tiles, K in one
-    step and several)."""
+    """From 2 rows on tensor-core tiles (16 and 64-row tiles, K in one step and several), and
+    above 64 rows in row blocks (LATENTSERVE_MOE_ENTRY_MAX_ROWS=256; 130: a partial block)."""
     skip_interpreted_16bit_dot(dtype)
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_ROWS", "1")
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "256")
     check_entry(m, k, act, beta, linear_beta, dtype, m + k, 1e-4)
 
 
 def test_entry_rows_in_a_latent_moe_layer(monkeypatch):
     """Five tokens through a latent MoE layer: the multi-row entry kernel's output equals the
-    separate ops' (router, latent down, shared gate/up)."""
+    separate ops' (router, latent down, shared gate/up: LATENTSERVE_MOE_ENTRY_MAX_ROWS=1)."""
     layer, x = latent_moe_layer("k3-tiny")
     x = torch.randn(5, x.shape[1], generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "1")
     assert layer._entry(x) is None
     separate = layer(x)
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_ROWS", "1")
+    monkeypatch.delenv("LATENTSERVE_MOE_ENTRY_MAX_ROWS")
     assert layer._entry(x) is not None
     torch.testing.assert_close(layer(x), separate, atol=1e-5, rtol=1e-4)
 
 
-def test_not_for_more_rows_or_other_dtypes():
+def test_not_for_more_rows_or_other_dtypes(monkeypatch):
     w = torch.randn(16, 32).to(DEVICE)
-    assert not moe_entry.supported(torch.randn(2, 32).to(DEVICE), w, w, w, "silu")  # rows: opt-in
+    assert moe_entry.supported(torch.randn(64, 32).to(DEVICE), w, w, w, "silu")
+    assert not moe_entry.supported(torch.randn(65, 32).to(DEVICE), w, w, w, "silu")  # above: opt-in
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "1")
+    assert not moe_entry.supported(torch.randn(2, 32).to(DEVICE), w, w, w, "silu")
     assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w, w, w, "gelu")
     assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w.to(torch.bfloat16), w, w, "silu")
 
