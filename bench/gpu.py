@@ -379,11 +379,13 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              # run 43), and its one-row programs in 512-wide K steps (likewise).
              "entry_one_row": {"LATENTSERVE_MOE_ENTRY_MAX_ROWS": "1"},
              "entry_k512": {"LATENTSERVE_MOE_ENTRY_WHOLE_K": "0"},
-             # Candidate, not yet timed: the entry kernel up to 256 rows, in 64-row blocks.
-             "entry_rows_256": {"LATENTSERVE_MOE_ENTRY_MAX_ROWS": "256"},
-             # The grouped-GEMM experts from 5 tokens (at batch 8 each chosen expert's weights read
-             # once for all its tokens, where the GEMV experts read them once a (token, slot) pair).
-             "experts_grouped_at_8": {"LATENTSERVE_MOE_GEMV_MAX_TOKENS": "4"},
+             # The entry kernel up to 64 rows only (before run 45; since then up to 256 in 64-row blocks).
+             "entry_rows_64": {"LATENTSERVE_MOE_ENTRY_MAX_ROWS": "64"},
+             # The GEMV experts up to 16 tokens (the default before run 45; since then the grouped
+             # GEMM from 5 tokens in bf16).
+             "experts_gemv_at_8": {"LATENTSERVE_MOE_GROUPED_FROM_TOKENS": "17"},
+             # Candidate, not yet timed: the latent MoE's RMS norm inside the paired GEMV (TP 1, <= 64 rows).
+             "pair_norm": {"LATENTSERVE_GEMV_PAIR_NORM": "1"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

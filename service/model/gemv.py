@@ -64,6 +64,13 @@ def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weig
             and weight.shape[0] == weight2.shape[0] and x.numel() // x.shape[-1] == x2.numel() // x2.shape[-1])
 
 
+def pair_norm_enabled() -> bool:
+    """LATENTSERVE_GEMV_PAIR_NORM=1 (not yet timed; bench/gpu.py's `pair_norm`): the latent MoE's
+    RMS norm inside the paired GEMV (`gemv_pair_normed`), not a kernel of its own before it
+    (1.4 us a layer at batch 1 on the H200 without PDL, run 45)."""
+    return os.environ.get("LATENTSERVE_GEMV_PAIR_NORM", "0") == "1"
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if triton is None or GUARD.failure is not None or not (x.is_cuda or INTERPRET) or weight.dim() != 2:
         return False
@@ -110,45 +117,75 @@ if triton is not None:
         return acc + tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
 
     @triton.jit
+    def _x_tile(x_ptr, m, k, mmask, kmask, stride_x, inv_rms, g_ptr, NORM: tl.constexpr):
+        """Rows m of x at columns k; with NORM those rows RMS-normed (x * inv_rms * g, rounded to
+        x's dtype as rms_norm rounds its output)."""
+        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            xv = (xv.to(tl.float32) * inv_rms[:, None] * g[None, :]).to(xv.dtype)
+        return xv
+
+    @triton.jit
+    def _inv_rms(x_ptr, m, mmask, K, stride_x, eps, BLOCK_K: tl.constexpr):
+        """1 / sqrt(mean(x[m]^2) + eps) in fp32, a pass over the rows (from L2: a decode step's few)."""
+        k = tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :],
+                     other=0.0).to(tl.float32)
+        ss = tl.sum(xv * xv, 1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :],
+                         other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, 1)
+        return tl.rsqrt(ss / K + eps)
+
+    @triton.jit
     def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, start, K, stride_x, stride_w, BLOCK_K: tl.constexpr,
-                    DOT: tl.constexpr, IEEE: tl.constexpr):
+                    DOT: tl.constexpr, IEEE: tl.constexpr, inv_rms=None, g_ptr=None, NORM: tl.constexpr = False):
         for k0 in range(start, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
                         mask=nmask[:, None] & kmask[None, :], other=0.0)
-            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            xv = _x_tile(x_ptr, m, k, mmask, kmask, stride_x, inv_rms, g_ptr, NORM)
             acc = _product(acc, xv, w, DOT, IEEE)
         return acc
 
     @triton.jit
     def _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr):
-        """x[m] @ w[n]^T in fp32. The first weight tile is requested before the PDL wait: no kernel
-        of the step writes weights, so under PDL that load overlaps the previous kernel's tail, and
-        only the activation loads wait for it."""
+                    PDL: tl.constexpr, g_ptr=None, eps=0.0, NORM: tl.constexpr = False):
+        """x[m] @ w[n]^T in fp32 (NORM: RMS-normed x[m] with weight g). The first weight tile is
+        requested before the PDL wait: no kernel of the step writes weights, so under PDL that load
+        overlaps the previous kernel's tail, and only the activation loads wait for it."""
         k = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
                      other=0.0)
         pdl.enter(PDL)
-        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+        inv_rms = None
+        if NORM:
+            inv_rms = _inv_rms(x_ptr, m, mmask, K, stride_x, eps, BLOCK_K)
+        xv = _x_tile(x_ptr, m, k, mmask, k < K, stride_x, inv_rms, g_ptr, NORM)
         acc = _product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, DOT, IEEE)
-        return _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE)
+        return _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE,
+                           inv_rms, g_ptr, NORM)
 
     # M only masks rows: specialized (== 1, % 16), each class of a mixed step's row count would
     # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
-                     stride_w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum)."""
+                     stride_w2, g_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                     NORM: tl.constexpr):
+        """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum); NORM: x
+        RMS-normed with weight g first."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nmask = n < N
         mmask = m < M
         acc = _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
-                          IEEE, PDL)
+                          IEEE, PDL, g_ptr, eps, NORM)
         if PAIR:
             acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -223,16 +260,18 @@ if triton is not None:
         return config(m, n, k, sms) if m == 1 else dot_config(m, n, k, sms, itemsize)
 
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict,
-               pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               pair: tuple[torch.Tensor, torch.Tensor] | None = None,
+               norm: tuple[torch.Tensor, float] | None = None) -> None:
         m, k = x2.shape
         n = weight.shape[0]
         xb, wb = pair if pair is not None else (x2, weight)
+        g, eps = norm if norm is not None else (x2, 0.0)  # unread without NORM
         cfg = {"DOT": False, **cfg}
         block_m = rows_tile(m, cfg["DOT"])
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
-            wb.stride(0), BLOCK_M=block_m, PAIR=pair is not None, IEEE=x2.dtype == torch.float32, **cfg,
-            **pdl.launch(x2.device))
+            wb.stride(0), g, float(eps), BLOCK_M=block_m, PAIR=pair is not None, IEEE=x2.dtype == torch.float32,
+            NORM=norm is not None, **cfg, **pdl.launch(x2.device))
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""
@@ -271,19 +310,33 @@ if triton is not None:
     def _(x, weight, act, beta, linear_beta):
         return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
+    def _pair(x, weight, x2, weight2, norm=None):
+        a, b = _rows(x), _rows(x2)
+        y = torch.empty(a.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        launch(a, weight, y, shape(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device),
+                                   x.element_size()), pair=(b, weight2), norm=norm)
+        return y
+
     @torch.library.custom_op("latentserve::gemv_pair", mutates_args=())
     def gemv_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T + x2 [M, K2] @ weight2[N, K2]^T -> [M, N] in x's dtype: two
         projections into the same rows (a latent MoE's up-projection and its shared experts'
         down-projection at TP 1) in one launch, summed in fp32."""
-        a, b = _rows(x), _rows(x2)
-        y = torch.empty(a.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        launch(a, weight, y, shape(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device),
-                                   x.element_size()), pair=(b, weight2))
-        return y
+        return _pair(x, weight, x2, weight2)
 
     @gemv_pair.register_fake
     def _(x, weight, x2, weight2):
+        return x.new_empty(x.reshape(-1, x.shape[-1]).shape[0], weight.shape[0])
+
+    @torch.library.custom_op("latentserve::gemv_pair_normed", mutates_args=())
+    def gemv_pair_normed(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                         x2: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
+        """`gemv_pair` of rms_norm(x, norm_weight, eps): the latent MoE's norm before its
+        up-projection inside the same launch (each program norms the few rows it reads)."""
+        return _pair(x, weight, x2, weight2, norm=(norm_weight, eps))
+
+    @gemv_pair_normed.register_fake
+    def _(x, norm_weight, eps, weight, x2, weight2):
         return x.new_empty(x.reshape(-1, x.shape[-1]).shape[0], weight.shape[0])
 
     @torch.library.custom_op("latentserve::gemv", mutates_args=())

@@ -109,15 +109,16 @@ class FusedExperts(nn.Module):
         """x [M, W]; weights/ids [M, k]. Returns this rank's partial sum over experts [M, W]."""
         if self.w13_scale_inv is not None:  # FP8 block-scaled experts (model/fp8_moe.py)
             return fp8_moe.experts(self, x, weights, ids)
-        if moe_kernels.experts_supported(x, self.act_name):  # few tokens: GEMV kernels
+        grouped = moe_grouped.supported(x, self.w13, self.w2, self.act_name)
+        if moe_kernels.experts_supported(x, self.act_name) and not (
+                grouped and x.shape[0] >= moe_kernels.grouped_from_tokens()):  # few tokens: GEMV kernels
             out = moe_kernels.call(torch.ops.latentserve.moe_experts, x, self.w13, self.w2, weights, ids,
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
                 return out
         # More tokens: the Triton grouped GEMM (prefill too, unless a cap hands it to torch._grouped_mm).
         limit = moe_grouped.max_tokens()
-        if moe_grouped.supported(x, self.w13, self.w2, self.act_name) and (
-                limit is None or x.shape[0] <= limit or not grouped_mm_fast(x)):
+        if grouped and (limit is None or x.shape[0] <= limit or not grouped_mm_fast(x)):
             out = moe_kernels.call(torch.ops.latentserve.moe_grouped_experts, x, self.w13, self.w2, weights, ids,
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
@@ -246,11 +247,12 @@ class MoE(nn.Module):
         down = self.shared_experts.down_proj
         if self.tp.world_size != 1 or getattr(down, "weight_scale_inv", None) is not None:
             return None
-        latent = latent_norm(routed, self._norm_weight(), self.eps)
-        up = self.routed_expert_up_proj.weight
-        if not gemv.pair_supported(latent, up, h, down.weight):
+        up, norm = self.routed_expert_up_proj.weight, self._norm_weight()
+        if not gemv.pair_supported(routed, up, h, down.weight):
             return None
-        return gemv.run(torch.ops.latentserve.gemv_pair, latent, up, h, down.weight)
+        if norm is not None and gemv.pair_norm_enabled():  # the latent norm in the same launch
+            return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight)
+        return gemv.run(torch.ops.latentserve.gemv_pair, latent_norm(routed, norm, self.eps), up, h, down.weight)
 
     def _entry(self, x: torch.Tensor):
         """(latent, shared experts' activation, router logits) from one kernel, or None."""

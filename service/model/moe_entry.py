@@ -34,9 +34,10 @@ def max_rows() -> int:
     the default before run 43; 0: never). From 2 rows its tensor-core tiles replace four launches
     (router, latent down, shared gate/up, activation: 4.1 + 4.4 + 4.8 + 1.4 us a layer at batch 8,
     run 39): batch 8 0.94x, batch 64 0.96x of the step with those launches (run 43, 2026-12-04).
-    Above 64 rows (opt-in until timed, bench/gpu.py's `entry_rows_256`) row blocks of 64 read each
-    weight tile once a block, where cuBLAS and the tiled router ran."""
-    return int(os.environ.get("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "64"))
+    Above 64 rows, row blocks of 64 read each weight tile once a block, where cuBLAS and the tiled
+    router ran: batch 256 1.00x in time, 25.8 -> 22.9 kernels a layer (run 45; 64 is the bench's
+    `entry_rows_64` baseline)."""
+    return int(os.environ.get("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "256"))
 
 
 def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor,

@@ -54,9 +54,19 @@ def call(op, *args):
 
 
 def gemv_max_tokens() -> int:
-    """Up to this many tokens the GEMV experts run; above, the grouped GEMM (tensor cores, each
-    expert's weights read once for all its tokens). bench/gpu.py measures both."""
+    """Up to this many tokens the GEMV experts can run (FP8 experts: do run); above, the grouped
+    GEMM, each expert's weights read once for all its tokens. LATENTSERVE_MOE_GEMV_MAX_TOKENS."""
     return int(os.environ.get("LATENTSERVE_MOE_GEMV_MAX_TOKENS", "16"))
+
+
+def grouped_from_tokens() -> int:
+    """From this many tokens 16-bit experts take the grouped GEMM even where the GEMV experts
+    could: the GEMV kernels read an expert's weights once a (token, slot) pair, the grouped GEMM
+    once for all its tokens. At batch 8 the grouped GEMM's step was 0.96x the GEMV experts' on
+    the H200 (run 45, 2026-12-04; their gate/up + down took 62.5 us a layer for 199 MB, 0.76 of
+    the copy bandwidth). LATENTSERVE_MOE_GROUPED_FROM_TOKENS (17: the bench's
+    `experts_gemv_at_8` baseline, the default before)."""
+    return int(os.environ.get("LATENTSERVE_MOE_GROUPED_FROM_TOKENS", "5"))
 
 
 def _on_device(x: torch.Tensor) -> bool:

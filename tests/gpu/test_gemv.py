@@ -134,6 +134,50 @@ def test_gemv_pair_sums_two_projections(n, k, k2, dtype, m, monkeypatch):
     assert not gemv.pair_supported(x, w, x2, w2[:-1])  # different widths
 
 
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,k2", [(2048, 1024, 768), (100, 600, 40)])
+def test_gemv_pair_normed_norms_x_first(n, k, k2, dtype, m):
+    """rms_norm(x) @ w^T + x2 @ w2^T in one launch equals rms_norm then gemv_pair (the normed rows
+    rounded to x's dtype in both), and a float64 reference within the GEMV's tolerance; K 600
+    takes several K steps of the norm's pass and of the product."""
+    if m > 1:  # tensor-core tiles
+        skip_interpreted_16bit_dot(dtype)
+    g = torch.Generator().manual_seed(n + k2 + m)
+    x = (torch.randn(m, k, generator=g) * 3).to(DEVICE, dtype)
+    x2 = torch.randn(m, k2, generator=g).to(DEVICE, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(n, k2, generator=g) / k2 ** 0.5).to(DEVICE, dtype)
+    y = torch.ops.latentserve.gemv_pair_normed(x, norm, 1e-6, w, x2, w2)
+    assert y.shape == (m, n) and y.dtype == dtype
+    xf = x.float()  # rms_norm's math and roundings, eager
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()).to(dtype)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), torch.ops.latentserve.gemv_pair(normed, w, x2, w2).double(),
+                               atol=tol * 4, rtol=tol)
+    xd = x.double()
+    ref = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.double()) @ w.double().t()
+    torch.testing.assert_close(y.double(), ref + x2.double() @ w2.double().t(), atol=tol * 8, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_latent_moe_tail_with_the_norm_in_the_pair(tokens, monkeypatch):
+    """LATENTSERVE_GEMV_PAIR_NORM=1: a latent MoE layer at TP 1 with its latent norm inside the
+    paired GEMV gives the layer's output with the norm as its own op."""
+    from test_moe_entry import latent_moe_layer
+
+    layer, x = latent_moe_layer("k3-tiny")
+    x = torch.randn(tokens, x.shape[1], generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    ref = layer(x)
+    monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_NORM", "1")
+    calls = []
+    op = torch.ops.latentserve.gemv_pair_normed
+    monkeypatch.setattr(torch.ops.latentserve, "gemv_pair_normed", lambda *a: calls.append(1) or op(*a))
+    torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-4)
+    assert calls == [1]
+
+
 def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
     """A one-token latent MoE layer at TP 1: the paired GEMV equals up-projection + shared down + add."""
     from test_moe_entry import latent_moe_layer

@@ -64,11 +64,10 @@ def test_entry_matches_separate_ops(act, beta, linear_beta, dtype, k, whole_k, m
 @pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m,k", [(3, 96), (16, 600), (40, 96), (130, 96), (256, 600)])
-def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k, monkeypatch):
+def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k):
     """From 2 rows on tensor-core tiles (16 and 64-row tiles, K in one step and several), and
-    above 64 rows in row blocks (LATENTSERVE_MOE_ENTRY_MAX_ROWS=256; 130: a partial block)."""
+    above 64 rows in row blocks of 64 (130: a partial block)."""
     skip_interpreted_16bit_dot(dtype)
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "256")
     check_entry(m, k, act, beta, linear_beta, dtype, m + k, 1e-4)
 
 
@@ -87,8 +86,8 @@ def test_entry_rows_in_a_latent_moe_layer(monkeypatch):
 
 def test_not_for_more_rows_or_other_dtypes(monkeypatch):
     w = torch.randn(16, 32).to(DEVICE)
-    assert moe_entry.supported(torch.randn(64, 32).to(DEVICE), w, w, w, "silu")
-    assert not moe_entry.supported(torch.randn(65, 32).to(DEVICE), w, w, w, "silu")  # above: opt-in
+    assert moe_entry.supported(torch.randn(256, 32).to(DEVICE), w, w, w, "silu")
+    assert not moe_entry.supported(torch.randn(257, 32).to(DEVICE), w, w, w, "silu")
     monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "1")
     assert not moe_entry.supported(torch.randn(2, 32).to(DEVICE), w, w, w, "silu")
     assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w, w, w, "gelu")
