@@ -384,8 +384,10 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              # The GEMV experts up to 16 tokens (the default before run 45; since then the grouped
              # GEMM from 5 tokens in bf16).
              "experts_gemv_at_8": {"LATENTSERVE_MOE_GROUPED_FROM_TOKENS": "17"},
-             # Candidate, not yet timed: the latent MoE's RMS norm inside the paired GEMV (TP 1, <= 64 rows).
-             "pair_norm": {"LATENTSERVE_GEMV_PAIR_NORM": "1"},
+             # The latent MoE's RMS norm as its own kernel before the paired GEMV at one row too (the
+             # default before run 46), and inside it up to 64 rows (run 46: 1.02-1.03x slower at 8-64).
+             "pair_norm_off": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "0"},
+             "pair_norm_64": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "64"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

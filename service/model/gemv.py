@@ -64,11 +64,13 @@ def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weig
             and weight.shape[0] == weight2.shape[0] and x.numel() // x.shape[-1] == x2.numel() // x2.shape[-1])
 
 
-def pair_norm_enabled() -> bool:
-    """LATENTSERVE_GEMV_PAIR_NORM=1 (not yet timed; bench/gpu.py's `pair_norm`): the latent MoE's
-    RMS norm inside the paired GEMV (`gemv_pair_normed`), not a kernel of its own before it
-    (1.4 us a layer at batch 1 on the H200 without PDL, run 45)."""
-    return os.environ.get("LATENTSERVE_GEMV_PAIR_NORM", "0") == "1"
+def pair_norm_max_rows() -> int:
+    """Up to this many rows the latent MoE's RMS norm runs inside the paired GEMV
+    (`gemv_pair_normed`), not as a kernel of its own before it: at one row the step was 0.99x
+    (1.4 us a layer for the norm kernel without PDL); at 8 and 64 rows 1.02x and 1.03x slower, each
+    program's pass over the rows for their norms costing more than the launch (run 46,
+    2026-12-04). LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS (0: never, the bench's `pair_norm_off`)."""
+    return int(os.environ.get("LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS", "1"))
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

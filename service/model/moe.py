@@ -250,7 +250,7 @@ class MoE(nn.Module):
         up, norm = self.routed_expert_up_proj.weight, self._norm_weight()
         if not gemv.pair_supported(routed, up, h, down.weight):
             return None
-        if norm is not None and gemv.pair_norm_enabled():  # the latent norm in the same launch
+        if norm is not None and routed.shape[0] <= gemv.pair_norm_max_rows():  # the norm in the same launch
             return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight)
         return gemv.run(torch.ops.latentserve.gemv_pair, latent_norm(routed, norm, self.eps), up, h, down.weight)
 

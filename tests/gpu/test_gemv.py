@@ -163,14 +163,16 @@ def test_gemv_pair_normed_norms_x_first(n, k, k2, dtype, m):
 
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_latent_moe_tail_with_the_norm_in_the_pair(tokens, monkeypatch):
-    """LATENTSERVE_GEMV_PAIR_NORM=1: a latent MoE layer at TP 1 with its latent norm inside the
-    paired GEMV gives the layer's output with the norm as its own op."""
+    """A latent MoE layer at TP 1 with its latent norm inside the paired GEMV (the default at one
+    row; LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS=64 for five) gives the layer's output with the norm
+    as its own op (=0)."""
     from test_moe_entry import latent_moe_layer
 
     layer, x = latent_moe_layer("k3-tiny")
     x = torch.randn(tokens, x.shape[1], generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS", "0")
     ref = layer(x)
-    monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_NORM", "1")
+    monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS", "1" if tokens == 1 else "64")
     calls = []
     op = torch.ops.latentserve.gemv_pair_normed
     monkeypatch.setattr(torch.ops.latentserve, "gemv_pair_normed", lambda *a: calls.append(1) or op(*a))
