@@ -388,6 +388,8 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              # default before run 46), and inside it up to 64 rows (run 46: 1.02-1.03x slower at 8-64).
              "pair_norm_off": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "0"},
              "pair_norm_64": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "64"},
+             # Candidate, not yet timed: at one row the experts' slot sum inside the paired GEMV too.
+             "pair_slots": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

@@ -73,6 +73,12 @@ def pair_norm_max_rows() -> int:
     return int(os.environ.get("LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS", "1"))
 
 
+def pair_slots_enabled() -> bool:
+    """LATENTSERVE_GEMV_PAIR_SLOTS=1 (not yet timed; bench/gpu.py's `pair_slots`): where the pair
+    norm runs, the routed experts' slot sum too (MoE._slots_tail)."""
+    return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "0") == "1"
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if triton is None or GUARD.failure is not None or not (x.is_cuda or INTERPRET) or weight.dim() != 2:
         return False
@@ -119,46 +125,60 @@ if triton is not None:
         return acc + tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
 
     @triton.jit
-    def _x_tile(x_ptr, m, k, mmask, kmask, stride_x, inv_rms, g_ptr, NORM: tl.constexpr):
-        """Rows m of x at columns k; with NORM those rows RMS-normed (x * inv_rms * g, rounded to
-        x's dtype as rms_norm rounds its output)."""
-        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+    def _x_rows(x_ptr, m, k, mmask, kmask, stride_x, g_ptr, SLOTS: tl.constexpr):
+        """Rows m of x at columns k; with SLOTS each row is the fp32 sum of SLOTS consecutive rows
+        (a token's expert outputs, in slot order as moe_kernels.slot_sum adds them), rounded to
+        the norm weight's dtype."""
+        mask = mmask[:, None] & kmask[None, :]
+        if SLOTS:
+            total = tl.load(x_ptr + (m[:, None] * SLOTS) * stride_x + k[None, :], mask=mask, other=0.0)
+            for j in tl.static_range(1, SLOTS):
+                total += tl.load(x_ptr + (m[:, None] * SLOTS + j) * stride_x + k[None, :], mask=mask, other=0.0)
+            xv = total.to(g_ptr.dtype.element_ty)
+        else:
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+        return xv
+
+    @triton.jit
+    def _x_tile(x_ptr, m, k, mmask, kmask, stride_x, inv_rms, g_ptr, NORM: tl.constexpr, SLOTS: tl.constexpr):
+        """`_x_rows`; with NORM those rows RMS-normed (x * inv_rms * g, rounded to x's dtype as
+        rms_norm rounds its output)."""
+        xv = _x_rows(x_ptr, m, k, mmask, kmask, stride_x, g_ptr, SLOTS)
         if NORM:
             g = tl.load(g_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             xv = (xv.to(tl.float32) * inv_rms[:, None] * g[None, :]).to(xv.dtype)
         return xv
 
     @triton.jit
-    def _inv_rms(x_ptr, m, mmask, K, stride_x, eps, BLOCK_K: tl.constexpr):
+    def _inv_rms(x_ptr, m, mmask, K, stride_x, eps, g_ptr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr):
         """1 / sqrt(mean(x[m]^2) + eps) in fp32, a pass over the rows (from L2: a decode step's few)."""
         k = tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :],
-                     other=0.0).to(tl.float32)
+        xv = _x_rows(x_ptr, m, k, mmask, k < K, stride_x, g_ptr, SLOTS).to(tl.float32)
         ss = tl.sum(xv * xv, 1)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :],
-                         other=0.0).to(tl.float32)
+            xv = _x_rows(x_ptr, m, k, mmask, k < K, stride_x, g_ptr, SLOTS).to(tl.float32)
             ss += tl.sum(xv * xv, 1)
         return tl.rsqrt(ss / K + eps)
 
     @triton.jit
     def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, start, K, stride_x, stride_w, BLOCK_K: tl.constexpr,
-                    DOT: tl.constexpr, IEEE: tl.constexpr, inv_rms=None, g_ptr=None, NORM: tl.constexpr = False):
+                    DOT: tl.constexpr, IEEE: tl.constexpr, inv_rms=None, g_ptr=None, NORM: tl.constexpr = False,
+                    SLOTS: tl.constexpr = 0):
         for k0 in range(start, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
                         mask=nmask[:, None] & kmask[None, :], other=0.0)
-            xv = _x_tile(x_ptr, m, k, mmask, kmask, stride_x, inv_rms, g_ptr, NORM)
+            xv = _x_tile(x_ptr, m, k, mmask, kmask, stride_x, inv_rms, g_ptr, NORM, SLOTS)
             acc = _product(acc, xv, w, DOT, IEEE)
         return acc
 
     @triton.jit
     def _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr, g_ptr=None, eps=0.0, NORM: tl.constexpr = False):
-        """x[m] @ w[n]^T in fp32 (NORM: RMS-normed x[m] with weight g). The first weight tile is
+                    PDL: tl.constexpr, g_ptr=None, eps=0.0, NORM: tl.constexpr = False, SLOTS: tl.constexpr = 0):
+        """x[m] @ w[n]^T in fp32 (NORM: RMS-normed x[m] with weight g; SLOTS: `_x_rows`). The first weight tile is
         requested before the PDL wait: no kernel of the step writes weights, so under PDL that load
         overlaps the previous kernel's tail, and only the activation loads wait for it."""
         k = tl.arange(0, BLOCK_K)
@@ -167,11 +187,11 @@ if triton is not None:
         pdl.enter(PDL)
         inv_rms = None
         if NORM:
-            inv_rms = _inv_rms(x_ptr, m, mmask, K, stride_x, eps, BLOCK_K)
-        xv = _x_tile(x_ptr, m, k, mmask, k < K, stride_x, inv_rms, g_ptr, NORM)
+            inv_rms = _inv_rms(x_ptr, m, mmask, K, stride_x, eps, g_ptr, BLOCK_K, SLOTS)
+        xv = _x_tile(x_ptr, m, k, mmask, k < K, stride_x, inv_rms, g_ptr, NORM, SLOTS)
         acc = _product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, DOT, IEEE)
         return _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE,
-                           inv_rms, g_ptr, NORM)
+                           inv_rms, g_ptr, NORM, SLOTS)
 
     # M only masks rows: specialized (== 1, % 16), each class of a mixed step's row count would
     # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
@@ -179,15 +199,15 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
                      stride_w2, g_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                     NORM: tl.constexpr):
+                     NORM: tl.constexpr, SLOTS: tl.constexpr):
         """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum); NORM: x
-        RMS-normed with weight g first."""
+        RMS-normed with weight g first; SLOTS: x's rows are sums of SLOTS fp32 rows (`_x_rows`)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nmask = n < N
         mmask = m < M
         acc = _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
-                          IEEE, PDL, g_ptr, eps, NORM)
+                          IEEE, PDL, g_ptr, eps, NORM, SLOTS)
         if PAIR:
             acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -263,8 +283,9 @@ if triton is not None:
 
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict,
                pair: tuple[torch.Tensor, torch.Tensor] | None = None,
-               norm: tuple[torch.Tensor, float] | None = None) -> None:
-        m, k = x2.shape
+               norm: tuple[torch.Tensor, float] | None = None, slots: int = 0) -> None:
+        """slots: x2 holds `slots` fp32 rows a token to sum (with norm only), y one row a token."""
+        m, k = y.shape[0], x2.shape[1]
         n = weight.shape[0]
         xb, wb = pair if pair is not None else (x2, weight)
         g, eps = norm if norm is not None else (x2, 0.0)  # unread without NORM
@@ -272,8 +293,8 @@ if triton is not None:
         block_m = rows_tile(m, cfg["DOT"])
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
-            wb.stride(0), g, float(eps), BLOCK_M=block_m, PAIR=pair is not None, IEEE=x2.dtype == torch.float32,
-            NORM=norm is not None, **cfg, **pdl.launch(x2.device))
+            wb.stride(0), g, float(eps), BLOCK_M=block_m, PAIR=pair is not None, IEEE=weight.dtype == torch.float32,
+            NORM=norm is not None, SLOTS=slots, **cfg, **pdl.launch(x2.device))
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""
@@ -312,11 +333,13 @@ if triton is not None:
     def _(x, weight, act, beta, linear_beta):
         return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
-    def _pair(x, weight, x2, weight2, norm=None):
+    def _pair(x, weight, x2, weight2, norm=None, slots=0):
         a, b = _rows(x), _rows(x2)
-        y = torch.empty(a.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        launch(a, weight, y, shape(a.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device),
-                                   x.element_size()), pair=(b, weight2), norm=norm)
+        if slots and b.shape[0] != 1:  # the tiles' pipeline would stage every slot's fp32 rows (270 KB)
+            raise ValueError(f"slots: one row only, got {b.shape[0]}")
+        y = torch.empty(b.shape[0], weight.shape[0], dtype=weight.dtype, device=x.device)
+        launch(a, weight, y, shape(b.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device),
+                                   weight.element_size()), pair=(b, weight2), norm=norm, slots=slots)
         return y
 
     @torch.library.custom_op("latentserve::gemv_pair", mutates_args=())
@@ -332,14 +355,16 @@ if triton is not None:
 
     @torch.library.custom_op("latentserve::gemv_pair_normed", mutates_args=())
     def gemv_pair_normed(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                         x2: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
+                         x2: torch.Tensor, weight2: torch.Tensor, slots: int = 0) -> torch.Tensor:
         """`gemv_pair` of rms_norm(x, norm_weight, eps): the latent MoE's norm before its
-        up-projection inside the same launch (each program norms the few rows it reads)."""
-        return _pair(x, weight, x2, weight2, norm=(norm_weight, eps))
+        up-projection inside the same launch (each program norms the few rows it reads). slots > 0
+        (one row): x [slots, K] fp32 are the routed experts' outputs a slot, summed here in slot
+        order and rounded to the model dtype (moe_kernels.slot_sum's math) before the norm."""
+        return _pair(x, weight, x2, weight2, norm=(norm_weight, eps), slots=slots)
 
     @gemv_pair_normed.register_fake
-    def _(x, norm_weight, eps, weight, x2, weight2):
-        return x.new_empty(x.reshape(-1, x.shape[-1]).shape[0], weight.shape[0])
+    def _(x, norm_weight, eps, weight, x2, weight2, slots=0):
+        return weight.new_empty(x2.reshape(-1, x2.shape[-1]).shape[0], weight.shape[0])
 
     @torch.library.custom_op("latentserve::gemv", mutates_args=())
     def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,7 @@ class FusedExperts(nn.Module):
         if self.w13_scale_inv is not None:  # FP8 block-scaled experts (model/fp8_moe.py)
             return fp8_moe.experts(self, x, weights, ids)
         grouped = moe_grouped.supported(x, self.w13, self.w2, self.act_name)
-        if moe_kernels.experts_supported(x, self.act_name) and not (
-                grouped and x.shape[0] >= moe_kernels.grouped_from_tokens()):  # few tokens: GEMV kernels
+        if self._gemv_kernels(x, grouped):  # few tokens
             out = moe_kernels.call(torch.ops.latentserve.moe_experts, x, self.w13, self.w2, weights, ids,
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
@@ -132,6 +131,20 @@ class FusedExperts(nn.Module):
             if out is not None:
                 return out
         return self.per_expert(x, weights, ids)
+
+    def _gemv_kernels(self, x: torch.Tensor, grouped: bool) -> bool:
+        """The GEMV expert kernels take these tokens (16-bit ones: up to the grouped GEMM's start)."""
+        return moe_kernels.experts_supported(x, self.act_name) and not (
+            grouped and x.shape[0] >= moe_kernels.grouped_from_tokens())
+
+    def parts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """Where `forward` runs the GEMV kernels: their weighted fp32 outputs a (token, slot) pair
+        [M * k, W], not yet summed (moe_experts_parts); else None."""
+        if self.w13_scale_inv is not None or not self._gemv_kernels(
+                x, moe_grouped.supported(x, self.w13, self.w2, self.act_name)):
+            return None
+        return moe_kernels.call(torch.ops.latentserve.moe_experts_parts, x, self.w13, self.w2, weights, ids,
+                                self.act_name, self.act_beta, self.act_linear_beta)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Two grouped GEMMs over the (token, expert) pairs sorted by expert. No host sync and
@@ -222,7 +235,11 @@ class MoE(nn.Module):
         entry = self._entry(x)
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
-            routed_partial = self.experts(latent, *self.gate.select(logits))
+            weights, ids = self.gate.select(logits)
+            out = self._slots_tail(latent, weights, ids, h)
+            if out is not None:
+                return out
+            routed_partial = self.experts(latent, weights, ids)
             out = self._one_rank_tail(routed_partial, h)
             if out is not None:
                 return out
@@ -253,6 +270,21 @@ class MoE(nn.Module):
         if norm is not None and routed.shape[0] <= gemv.pair_norm_max_rows():  # the norm in the same launch
             return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight)
         return gemv.run(torch.ops.latentserve.gemv_pair, latent_norm(routed, norm, self.eps), up, h, down.weight)
+
+    def _slots_tail(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    h: torch.Tensor) -> torch.Tensor | None:
+        """`_one_rank_tail` from the experts' unsummed outputs (LATENTSERVE_GEMV_PAIR_SLOTS=1, not
+        yet timed): the slot sum, the latent norm, the up-projection and the shared down-projection
+        in one launch, where the slot sum was a kernel of its own (1.7 us a layer at batch 1 without
+        PDL, run 45). One row, where the pair norm runs; else None."""
+        down, up, norm = self.shared_experts.down_proj, self.routed_expert_up_proj.weight, self._norm_weight()
+        if not (gemv.pair_slots_enabled() and self.tp.world_size == 1 and norm is not None and latent.shape[0] == 1
+                and gemv.pair_norm_max_rows() >= 1 and getattr(down, "weight_scale_inv", None) is None
+                and gemv.pair_supported(latent, up, h, down.weight)):
+            return None
+        parts = self.experts.parts(latent, weights, ids)
+        return None if parts is None else gemv.run(torch.ops.latentserve.gemv_pair_normed, parts, norm, self.eps, up,
+                                                   h, down.weight, ids.shape[1])
 
     def _entry(self, x: torch.Tensor):
         """(latent, shared experts' activation, router logits) from one kernel, or None."""

@@ -261,13 +261,14 @@ def expert_configs(pairs: int) -> tuple[dict, dict]:
 
 
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+             act: str, beta: float, linear_beta: float | None, sum_slots: bool = True) -> torch.Tensor:
+    """sum_slots=False: the weighted fp32 outputs a (token, slot) pair [M * k, W], unsummed."""
     m, width = x.shape
     top_k = ids.shape[1]
     shard = w2.shape[2]
     out = torch.empty(m, w2.shape[1], dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return out if sum_slots else torch.empty(0, w2.shape[1], dtype=torch.float32, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
@@ -283,7 +284,7 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     _down_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
         h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
         **down_cfg, **pdl.launch(h.device))
-    return slot_sum(part, out, top_k)
+    return slot_sum(part, out, top_k) if sum_slots else part
 
 
 def slot_sum(part: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -335,3 +336,14 @@ if triton is not None:
     @experts.register_fake
     def _(x, w13, w2, weights, ids, act, beta, linear_beta):
         return x.new_empty(x.shape[0], w2.shape[1])
+
+    @torch.library.custom_op("latentserve::moe_experts_parts", mutates_args=())
+    def experts_parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+        """`experts` without its slot sum: [M * k, W] fp32, row t * k + j token t's slot j weighted
+        (gemv_pair_normed sums them where it reads them: one launch fewer)."""
+        return _experts(x, w13, w2, weights, ids, act, beta, linear_beta, sum_slots=False)
+
+    @experts_parts.register_fake
+    def _(x, w13, w2, weights, ids, act, beta, linear_beta):
+        return x.new_empty(x.shape[0] * ids.shape[1], w2.shape[1], dtype=torch.float32)

@@ -161,6 +161,29 @@ def test_gemv_pair_normed_norms_x_first(n, k, k2, dtype, m):
     torch.testing.assert_close(y.double(), ref + x2.double() @ w2.double().t(), atol=tol * 8, rtol=tol * 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_pair_normed_sums_slots_first(dtype):
+    """slots=8: x's rows are one token's 8 fp32 expert outputs, summed in slot order and rounded
+    as moe_kernels.slot_sum does: the same bits as slot_sum, then the normed pair. One row only."""
+    from service.model import moe_kernels
+
+    m = 1
+    g = torch.Generator().manual_seed(m)
+    n, k, k2, slots = 256, 600, 40, 8
+    parts = torch.randn(m * slots, k, generator=g).to(DEVICE)
+    x2 = torch.randn(m, k2, generator=g).to(DEVICE, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(n, k2, generator=g) / k2 ** 0.5).to(DEVICE, dtype)
+    summed = moe_kernels.slot_sum(parts, torch.empty(m, k, dtype=dtype, device=DEVICE), slots)
+    y = torch.ops.latentserve.gemv_pair_normed(parts, norm, 1e-6, w, x2, w2, slots)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert torch.equal(y, torch.ops.latentserve.gemv_pair_normed(summed, norm, 1e-6, w, x2, w2))
+    with pytest.raises(ValueError, match="one row only"):
+        torch.ops.latentserve.gemv_pair_normed(torch.cat([parts, parts]), norm, 1e-6, w, torch.cat([x2, x2]), w2,
+                                               slots)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_latent_moe_tail_with_the_norm_in_the_pair(tokens, monkeypatch):
     """A latent MoE layer at TP 1 with its latent norm inside the paired GEMV (the default at one
@@ -191,3 +214,21 @@ def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR", "0")
     assert layer._one_rank_tail(latent, h) is None
     torch.testing.assert_close(paired, layer(x), atol=1e-5, rtol=1e-4)
+
+
+def test_latent_moe_tail_with_the_slot_sum_in_the_pair(monkeypatch):
+    """LATENTSERVE_GEMV_PAIR_SLOTS=1: at one token the experts' unsummed outputs go to the normed
+    pair (one launch for slot sum, norm, up and shared down) with the layer's output unchanged."""
+    from test_moe_entry import latent_moe_layer
+
+    layer, x = latent_moe_layer("k3-tiny")
+    ref = layer(x)
+    monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_SLOTS", "1")
+    calls = []
+    op = torch.ops.latentserve.moe_experts_parts
+    monkeypatch.setattr(torch.ops.latentserve, "moe_experts_parts", lambda *a: calls.append(1) or op(*a))
+    torch.testing.assert_close(layer(x), ref, atol=1e-6, rtol=1e-6)
+    assert calls == [1]
+    two = torch.cat([x, x])  # two tokens: the pair norm's one row does not apply, nor does this
+    torch.testing.assert_close(layer(two), torch.cat([ref, ref]), atol=1e-5, rtol=1e-4)
+    assert calls == [1]
