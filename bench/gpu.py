@@ -390,6 +390,10 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "pair_norm_64": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "64"},
              # Candidate, not yet timed: at one row the experts' slot sum inside the paired GEMV too.
              "pair_slots": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1"},
+             # Candidate, not yet timed: MLA's split merge and W_UV in one kernel up to 8 sequences.
+             "merge_out": {"LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "8"},
+             # Both candidates of 2026-12-04's last session at once.
+             "candidates_b1": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "8"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

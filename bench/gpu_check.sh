@@ -33,7 +33,7 @@ commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ech
 if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 420 ? 420 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,64 --baselines entry_rows_64,experts_gemv_at_8,no_pdl \
+    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,8 --baselines pair_slots,merge_out,candidates_b1,no_pdl \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260

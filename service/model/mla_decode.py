@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from . import pdl
+from . import mla_absorb, pdl
 
 try:
     import triton
@@ -241,28 +241,32 @@ if triton is not None:
 def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
                splits: int | None = None, q_pe: torch.Tensor | None = None,
-               new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None) -> torch.Tensor:
+               new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None,
+               w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """q_cat [B, H, kv_lora_rank + rope] (absorbed query | roped query), or with q_pe [B, H, rope]
     the absorbed query alone [B, H, kv_lora_rank] (two inputs: no cat); kv_cache
     [num_blocks, block_size, kv_lora_rank + rope]; block_tables [B, W] (any int dtype);
     context_lens [B] >= 1. With new_kv [B, kv_lora_rank + rope] (each sequence's new token, in the
     cache dtype) and new_slots [B], the kernel writes those rows to their slots itself and
     attends them as the last position: what write_kv did before it, one launch fewer.
-    Returns the attention output in latent space, [B, H, kv_lora_rank] fp32."""
+    Returns the attention output in latent space, [B, H, kv_lora_rank] fp32; with w_uv [H, v,
+    kv_lora_rank], that output through W_UV as o_proj's rows [B, H * v] (mla_absorb: the merge and
+    the projection in one kernel at a few sequences)."""
     if splits is None and torch.compiler.is_compiling():
         if new_kv is not None:
             return torch.ops.latentserve.mla_decode_write(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank,
-                                                          scale, q_pe, new_kv, new_slots)
+                                                          scale, q_pe, new_kv, new_slots, w_uv)
         return torch.ops.latentserve.mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale,
-                                                q_pe)
+                                                q_pe, w_uv)
     return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, splits, q_pe=q_pe,
-                       new_kv=new_kv, new_slots=new_slots)
+                       new_kv=new_kv, new_slots=new_slots, w_uv=w_uv)
 
 
 def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
                 splits: int | None = None, cfg: dict | None = None, q_pe: torch.Tensor | None = None,
-                new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None) -> torch.Tensor:
+                new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None,
+                w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """cfg overrides the split kernel's launch shape (BLOCK_N, num_warps, num_stages): the
     sweep in bench/mla_decode.py."""
     if q_pe is None:
@@ -299,6 +303,8 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
         NUM_SPLITS=splits, WRITE_KV=write, IEEE=ieee, **launch, **pdl.launch(q_lat.device),
     )
+    if w_uv is not None:
+        return mla_absorb._absorb_out(o[:, 0], w_uv) if splits == 1 else mla_absorb.merge_out(o, lse, w_uv)
     if splits == 1:
         return o[:, 0]
     out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
@@ -310,25 +316,33 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 if triton is not None:
 
+    def _fake_out(q_cat, kv_lora_rank, w_uv):
+        b, h = q_cat.shape[:2]
+        if w_uv is not None:
+            return w_uv.new_empty(b, h * w_uv.shape[1])
+        return q_cat.new_empty(b, h, kv_lora_rank, dtype=torch.float32)
+
     @torch.library.custom_op("latentserve::mla_decode", mutates_args=())
     def _mla_decode_op(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
-                       q_pe: torch.Tensor | None = None) -> torch.Tensor:
-        return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=q_pe).contiguous()
+                       q_pe: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
+        return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=q_pe,
+                           w_uv=w_uv).contiguous()
 
     @_mla_decode_op.register_fake
-    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=None):
-        return q_cat.new_empty(q_cat.shape[0], q_cat.shape[1], kv_lora_rank, dtype=torch.float32)
+    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=None, w_uv=None):
+        return _fake_out(q_cat, kv_lora_rank, w_uv)
 
     # The writing variant is its own op: it mutates the cache, which the read-only op must not
     # declare (a mutated input costs the compiled graph its reordering freedom around the call).
     @torch.library.custom_op("latentserve::mla_decode_write", mutates_args=("kv_cache",))
     def _mla_decode_write_op(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                              context_lens: torch.Tensor, kv_lora_rank: int, scale: float, q_pe: torch.Tensor | None,
-                             new_kv: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
+                             new_kv: torch.Tensor, new_slots: torch.Tensor,
+                             w_uv: torch.Tensor | None = None) -> torch.Tensor:
         return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=q_pe,
-                           new_kv=new_kv, new_slots=new_slots).contiguous()
+                           new_kv=new_kv, new_slots=new_slots, w_uv=w_uv).contiguous()
 
     @_mla_decode_write_op.register_fake
-    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe, new_kv, new_slots):
-        return q_cat.new_empty(q_cat.shape[0], q_cat.shape[1], kv_lora_rank, dtype=torch.float32)
+    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe, new_kv, new_slots, w_uv=None):
+        return _fake_out(q_cat, kv_lora_rank, w_uv)

@@ -108,6 +108,46 @@ def test_absorbed_decode_through_the_kernels_equals_the_bmm_path(monkeypatch):
     assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5), (ours - theirs).abs().max()
 
 
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("batch,splits,lora", [(1, 32, 512), (3, 4, 64), (8, 16, 512), (2, 1, 64)])
+def test_decode_through_w_uv_equals_merge_then_absorb_out(dtype, tol, batch, splits, lora):
+    """mla_decode with w_uv (merge and W_UV in one kernel, `merge_out`; one split: absorb_out of
+    it) against the merged output then absorb_out, and against float64 of that merged output."""
+    heads, rope, v, block_size = 16, 64 if lora == 512 else 16, 128 if lora == 512 else 32, 16
+    q, kv, tables, ctx, _ = case(batch + splits, batch, heads, lora, rope, block_size, dtype, 90)
+    _, _, w_uv = kv_b(heads, 128, v, lora, dtype, seed=batch)
+    scale = (lora + rope) ** -0.5
+    merged = mla_decode.mla_decode(q, kv, tables, ctx, lora, scale, splits=splits)
+    fused = mla_decode.mla_decode(q, kv, tables, ctx, lora, scale, splits=splits, w_uv=w_uv)
+    two = torch.ops.latentserve.mla_absorb_out(merged, w_uv)
+    assert fused.shape == two.shape == (batch, heads * v) and fused.dtype == dtype
+    ref = torch.einsum("bhd,hvd->bhv", merged.to(dtype).cpu().double(), w_uv.cpu().double()).reshape(batch, -1)
+    for out in (fused, two):
+        err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < tol, f"relative error {err:.2e}"
+
+
+def test_absorbed_decode_merges_through_w_uv(monkeypatch):
+    """LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS=8: MLAAttention._absorbed_decode at 4 sequences through
+    the one merge + W_UV kernel equals the merge and absorb_out kernels."""
+    from service.model.attn_metadata import AttnMetadata
+
+    attn, _ = attention_layer()
+    _, kv, tables, ctx, _ = case(5, 4, 8, 64, 16, 4, torch.float32, 30)
+    q = torch.randn(4, 8, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    meta = AttnMetadata.__new__(AttnMetadata)
+    meta.decode_context_lens, meta.decode_block_tables = ctx, tables
+    with torch.no_grad():
+        separate = attn._absorbed_decode(q, kv, meta)
+        monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "8")
+        calls = []
+        kernel = mla_absorb.merge_out
+        monkeypatch.setattr(mla_absorb, "merge_out", lambda *a: calls.append(1) or kernel(*a))
+        fused = attn._absorbed_decode(q, kv, meta)
+    assert calls == [1] and fused.shape == separate.shape == (4, 8, 32)
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("splits", [None, 1, 4])
 def test_decode_writes_the_new_token_and_attends_it(splits):
     """new_kv/new_slots: each row's new token (its slot still poisoned) is attended as the last
