@@ -91,15 +91,21 @@ def test_decode_with_separate_rope_query_equals_the_cat(splits):
     assert torch.equal(whole, parts)
 
 
-def test_absorbed_decode_through_the_kernels_equals_the_bmm_path(monkeypatch):
-    """MLAAttention._absorbed_decode on the kernels against LATENTSERVE_MLA_ABSORB=0 (bmm's, cat)."""
+def absorbed_decode_case():
+    """An fp32 MLA layer, 4 sequences' queries [4, 8, 48], their paged cache, and decode metadata."""
     from service.model.attn_metadata import AttnMetadata
 
     attn, _ = attention_layer()
-    q, kv, tables, ctx, _ = case(5, 4, 8, 64, 16, 4, torch.float32, 30)
+    _, kv, tables, ctx, _ = case(5, 4, 8, 64, 16, 4, torch.float32, 30)
     q = torch.randn(4, 8, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     meta = AttnMetadata.__new__(AttnMetadata)
     meta.decode_context_lens, meta.decode_block_tables = ctx, tables
+    return attn, q, kv, meta
+
+
+def test_absorbed_decode_through_the_kernels_equals_the_bmm_path(monkeypatch):
+    """MLAAttention._absorbed_decode on the kernels against LATENTSERVE_MLA_ABSORB=0 (bmm's, cat)."""
+    attn, q, kv, meta = absorbed_decode_case()
     with torch.no_grad():
         ours = attn._absorbed_decode(q, kv, meta)
         monkeypatch.setenv("LATENTSERVE_MLA_ABSORB", "0")
@@ -130,13 +136,7 @@ def test_decode_through_w_uv_equals_merge_then_absorb_out(dtype, tol, batch, spl
 def test_absorbed_decode_merges_through_w_uv(monkeypatch):
     """LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS=8: MLAAttention._absorbed_decode at 4 sequences through
     the one merge + W_UV kernel equals the merge and absorb_out kernels."""
-    from service.model.attn_metadata import AttnMetadata
-
-    attn, _ = attention_layer()
-    _, kv, tables, ctx, _ = case(5, 4, 8, 64, 16, 4, torch.float32, 30)
-    q = torch.randn(4, 8, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    meta = AttnMetadata.__new__(AttnMetadata)
-    meta.decode_context_lens, meta.decode_block_tables = ctx, tables
+    attn, q, kv, meta = absorbed_decode_case()
     with torch.no_grad():
         separate = attn._absorbed_decode(q, kv, meta)
         monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "8")
