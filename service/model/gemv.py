@@ -178,9 +178,10 @@ if triton is not None:
     def _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                     PDL: tl.constexpr, g_ptr=None, eps=0.0, NORM: tl.constexpr = False, SLOTS: tl.constexpr = 0):
-        """x[m] @ w[n]^T in fp32 (NORM: RMS-normed x[m] with weight g; SLOTS: `_x_rows`). The first weight tile is
-        requested before the PDL wait: no kernel of the step writes weights, so under PDL that load
-        overlaps the previous kernel's tail, and only the activation loads wait for it."""
+        """x[m] @ w[n]^T in fp32 (NORM: RMS-normed x[m] with weight g; SLOTS: `_x_rows`). The
+        first weight tile is requested before the PDL wait: no kernel of the step writes weights,
+        so under PDL that load overlaps the previous kernel's tail, and only the activation loads
+        wait for it."""
         k = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
                      other=0.0)
