@@ -37,6 +37,9 @@ if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
+  # A GEMV chain as one persistent kernel against PDL launches (bench/notes/batch1-launch-floor.md).
+  timeout 90 python3 bench/persistent_probe.py --json "$OUT/persistent_probe.json" > "$OUT/persistent_probe.log" 2>&1
+  echo "== persistent_probe rc=$?"; grep -E "persistent-probe|Error" "$OUT/persistent_probe.log" | cut -c1-400
   if [ "$(left)" -gt 150 ]; then
     s=$(date +%s)
     OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --requests 256 > "$OUT/serve_all.log" 2>&1
