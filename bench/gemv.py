@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from gpu import copy_bandwidth  # noqa: E402
 
-from service.model import gemv, moe_kernels, moe_select, pdl  # noqa: E402
+from service.model import gemv, moe_kernels, pdl  # noqa: E402
 
 # (name, N, K) of the small preset: hidden 2048, 16 heads, q_lora 768, kv_lora 512 + rope 64,
 # latent 1024, shared expert 768, dense MLP 5632, vocab 32768.
@@ -164,8 +164,7 @@ def sweep_experts(x, w13s, w2s, wts, ids) -> dict:
         def gate_up(a, c=cfg):
             moe_kernels._gate_up_kernel[(pairs, triton_cdiv(shard, c["BLOCK_N"]))](
                 x, a, ids, h, width, shard, x.stride(0), a.stride(0), a.stride(1), h.stride(0), 1.0, 1.0,
-                wts, wts, wts, 0, 1.0, ACT=0, CLIP_UP=False, ROUTE=False,
-                **moe_select.meta(1, 1, 1, top_k, False, False), **c, **pdl.launch(x.device))
+                TOP_K=top_k, ACT=0, CLIP_UP=False, **c, **pdl.launch(x.device))
 
         def down(b, c=cfg):
             moe_kernels._down_kernel[(pairs, triton_cdiv(width, c["BLOCK_N"]))](

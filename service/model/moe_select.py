@@ -1,4 +1,4 @@
-"""The MoE router's expert selection, as Triton code shared by two kernels.
+"""The MoE router's expert selection, as a Triton kernel of its own.
 
 `choose` takes one token's fp32 router logits to its experts and their weights: sigmoid or
 softmax scores, the correction bias, the group-limited choice (top-2 sum a group, the top
