@@ -254,7 +254,7 @@ class MLAAttention(nn.Module):
             # Four kernels (three at one split) where the bmm path took seven (mla_absorb.py):
             # q_latent and q_pe go to the attention kernel as two inputs, its fp32 output to o_proj's rows.
             q_latent = torch.ops.latentserve.mla_absorb_q(q[..., : self.nope], w_uk)
-            if b <= mla_absorb.merge_out_max_rows():  # the splits' merge and W_UV in one kernel
+            if b <= mla_decode.merge_out_max_rows():  # the splits' merge and W_UV in one kernel
                 return mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
                                              self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:], w_uv=w_uv,
                                              **new).view(b, self.num_heads, self.v_dim)

@@ -47,14 +47,6 @@ def supported(q: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == q.dtype and q.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
-def merge_out_max_rows() -> int:
-    """Up to this many sequences the split merge and `absorb_out` are one kernel (`merge_out`),
-    one launch fewer a layer (LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS; 0: never. Opt-in until timed,
-    bench/gpu.py's `merge_out`: at batch 1 the merge took 2.2 us a layer and absorb_out 5.2
-    without PDL, run 45, for 64 KB and 2 MB)."""
-    return int(os.environ.get("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "0"))
-
-
 def _rows_block(batch: int) -> int:
     return 16 if batch <= 16 else 32 if batch <= 32 else 64
 
@@ -97,44 +89,6 @@ if triton is not None:
                 acc += tl.dot(xv, wv)
         tl.store(out_ptr + rows[:, None] * stride_ob + h * stride_oh + j[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & jmask[None, :])
-
-    @triton.jit
-    def _merge_out_kernel(o_ptr, lse_ptr, w_ptr, out_ptr, J, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                          stride_wh, stride_wj, stride_out, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                          D_LAT: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
-        """Program (sequence, head, block of outputs): the head's split outputs merged by their
-        log-sum-exp (mla_decode's merge, the same expression on the same [splits, D_LAT] tile),
-        rounded to the weight's dtype, times W_UV[h] rows j (a register product: a few sequences,
-        no 16-row padding), written to o_proj's row. W_UV's tile is read before the PDL wait."""
-        b = tl.program_id(0)
-        h = tl.program_id(1).to(tl.int64)
-        j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
-        jmask = j < J
-        d = tl.arange(0, D_LAT)
-        w = tl.load(w_ptr + h * stride_wh + j[:, None] * stride_wj + d[None, :], mask=jmask[:, None], other=0.0)
-        pdl.enter(PDL)
-        s = tl.arange(0, S_PAD)
-        smask = s < NUM_SPLITS
-        lse = tl.load(lse_ptr + b * stride_lb + s * stride_ls + h, mask=smask, other=float("-inf"))
-        wts = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty: a finite max
-        o = tl.load(o_ptr + b * stride_ob + s[:, None] * stride_os + h * stride_oh + d[None, :],
-                    mask=smask[:, None], other=0.0)
-        merged = (tl.sum(o * wts[:, None], 0) / tl.sum(wts, 0)).to(w.dtype).to(tl.float32)
-        y = tl.sum(w.to(tl.float32) * merged[None, :], 1)
-        tl.store(out_ptr + b * stride_out + h * J + j, y.to(out_ptr.dtype.element_ty), mask=jmask)
-
-    def merge_out(o: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-        """o [B, S, H, L] fp32 and lse [B, S, H] (mla_decode's splits) against w_uv [H, v, L] ->
-        [B, H * v] in w_uv's dtype: `absorb_out` of the merged output, one kernel."""
-        b, splits, h, lat = o.shape
-        v = w_uv.shape[1]
-        out = torch.empty(b, h * v, dtype=w_uv.dtype, device=o.device)
-        block_j = 16 if lat >= 512 else 32  # the W tile in registers: 16 x 512 bf16 a program
-        _merge_out_kernel[(b, h, triton.cdiv(v, block_j))](
-            o, lse, w_uv, out, v, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            w_uv.stride(0), w_uv.stride(1), out.stride(0), NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
-            D_LAT=lat, BLOCK_J=block_j, num_warps=4, **pdl.launch(o.device))
-        return out
 
     def _per_head(x: torch.Tensor, w: torch.Tensor, k_dim: int, out: torch.Tensor, stride_ob: int, stride_oh: int,
                   block_j: int) -> torch.Tensor:

@@ -266,9 +266,8 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     m, width = x.shape
     top_k = ids.shape[1]
     shard = w2.shape[2]
-    out = torch.empty(m, w2.shape[1], dtype=x.dtype, device=x.device)
     if m == 0:
-        return out if sum_slots else torch.empty(0, w2.shape[1], dtype=torch.float32, device=x.device)
+        return torch.empty(0, w2.shape[1], dtype=x.dtype if sum_slots else torch.float32, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
@@ -284,7 +283,9 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     _down_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
         h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
         **down_cfg, **pdl.launch(h.device))
-    return slot_sum(part, out, top_k) if sum_slots else part
+    if not sum_slots:
+        return part
+    return slot_sum(part, torch.empty(m, width_out, dtype=x.dtype, device=x.device), top_k)
 
 
 def slot_sum(part: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -141,8 +141,8 @@ def test_absorbed_decode_merges_through_w_uv(monkeypatch):
         separate = attn._absorbed_decode(q, kv, meta)
         monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "8")
         calls = []
-        kernel = mla_absorb.merge_out
-        monkeypatch.setattr(mla_absorb, "merge_out", lambda *a: calls.append(1) or kernel(*a))
+        kernel = mla_decode.merge_out
+        monkeypatch.setattr(mla_decode, "merge_out", lambda *a: calls.append(1) or kernel(*a))
         fused = attn._absorbed_decode(q, kv, meta)
     assert calls == [1] and fused.shape == separate.shape == (4, 8, 32)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
