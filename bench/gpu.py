@@ -392,6 +392,9 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "pair_slots": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1"},
              # Candidate, not yet timed: MLA's split merge and W_UV in one kernel up to 8 sequences.
              "merge_out": {"LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "8"},
+             # Candidate, not yet timed: MLA's absorb kernels in K steps up to 256 wide (W_UK's whole 128)
+             # up to 16 sequences, the first step before the PDL wait.
+             "absorb_wide_k": {"LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS": "16"},
              # Both candidates of 2026-12-04's last session at once.
              "candidates_b1": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "8"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).

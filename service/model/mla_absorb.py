@@ -51,6 +51,24 @@ def _rows_block(batch: int) -> int:
     return 16 if batch <= 16 else 32 if batch <= 32 else 64
 
 
+def wide_k_max_rows() -> int:
+    """Up to this many sequences a program reads its head's weight slice in K steps of up to 256
+    (W_UK's 128: all of it) rather than 64, the first before the PDL wait, as the one-row GEMV's
+    whole-K slices do since run 39 (0.95x at batch 1). LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS; 0
+    by default until timed (bench/gpu.py's `absorb_wide_k`). 16 at most: sm_90 compiles of a
+    16-row block hold 112 (W_UK) and 200 (W_UV, fp32 input) registers without spills; W_UV's
+    whole 512 in one step spills 380 bytes."""
+    return min(16, int(os.environ.get("LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS", "0")))
+
+
+def _steps(batch: int, k: int, block_j: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_J). Wide K steps hold twice the weight a program, so each program takes
+    half the outputs and the grid covers twice the SMs (W_UV's 16 heads x 128: 128 programs)."""
+    if batch <= wide_k_max_rows():
+        return min(256, triton.next_power_of_2(k)), max(16, block_j // 2)
+    return 64, block_j
+
+
 if triton is not None:
 
     # B is a step's decode count: specialized (== 1, % 16) and with BLOCK_B, a mixed step with
@@ -98,9 +116,10 @@ if triton is not None:
         if b == 0:
             return out
         bb = _rows_block(b)
+        block_k, block_j = _steps(b, k, block_j)
         _per_head_kernel[(triton.cdiv(b, bb), h, triton.cdiv(w.shape[j_dim], block_j))](
             x, w, out, b, k, w.shape[j_dim], x.stride(0), x.stride(1), w.stride(0), w.stride(k_dim), w.stride(j_dim),
-            stride_ob, stride_oh, IEEE=w.dtype == torch.float32, BLOCK_B=bb, BLOCK_K=64, BLOCK_J=block_j,
+            stride_ob, stride_oh, IEEE=w.dtype == torch.float32, BLOCK_B=bb, BLOCK_K=block_k, BLOCK_J=block_j,
             num_warps=4, num_stages=2, **pdl.launch(x.device))
         return out
 

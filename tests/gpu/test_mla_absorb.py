@@ -72,6 +72,26 @@ def test_absorb_out_matches_float64(dtype, tol, batch, heads):
     assert err < tol, f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5, 16, 40])
+def test_wide_k_steps_match_float64(monkeypatch, dtype, tol, batch):
+    """LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS: 128- and 256-wide K steps at DeepSeek-V3's head dims
+    (nope 128, kv_lora_rank 512) up to 16 sequences, the 64-wide ones above (40)."""
+    monkeypatch.setenv("LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS", "16")
+    heads, nope, v, lora = 4, 128, 128, 512
+    _, w_uk, w_uv = kv_b(heads, nope, v, lora, dtype, seed=batch)
+    g = torch.Generator().manual_seed(batch)
+    q = torch.randn(batch, heads, nope, generator=g).to(DEVICE, dtype)
+    o = torch.randn(batch, heads, lora, generator=g).to(DEVICE)
+    q_lat = torch.ops.latentserve.mla_absorb_q(q, w_uk)
+    out = torch.ops.latentserve.mla_absorb_out(o, w_uv)
+    refs = (torch.einsum("bhn,hnd->bhd", q.cpu().double(), w_uk.cpu().double()),
+            torch.einsum("bhd,hvd->bhv", o.to(dtype).cpu().double(), w_uv.cpu().double()).reshape(batch, heads * v))
+    for got, ref in zip((q_lat, out), refs):
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < tol, f"relative error {err:.2e}"
+
+
 def test_empty_batch():
     w, w_uk, w_uv = kv_b(4, 32, 32, 64, torch.float32)
     assert torch.ops.latentserve.mla_absorb_q(torch.empty(0, 4, 32, device=DEVICE), w_uk).shape == (0, 4, 64)
