@@ -93,7 +93,7 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
             # One row: the register product's rows and K steps (whole K from 1024 on); more rows:
             # tensor-core tiles (N >= 16, K steps within shared memory).
             for c in sweep_space(m):
-                if triton_cdiv(n, c["BLOCK_N"]) < sms // 2:
+                if triton_cdiv(n, c["BLOCK_N"]) * triton_cdiv(m, 64) < sms // 2:  # 64-row blocks above 64
                     continue
                 try:
                     t = graph_seconds(lambda w: gemv.launch(x, w, y, c), ws[:8], reps=2)  # noqa: B023

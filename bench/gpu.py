@@ -395,6 +395,9 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              # Candidate, not yet timed: MLA's absorb kernels in K steps up to 256 wide (W_UK's whole 128)
              # up to 16 sequences, the first step before the PDL wait.
              "absorb_wide_k": {"LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS": "16"},
+             # Candidate, not yet timed: the GEMV (and its pairs) up to 256 rows in 64-row blocks,
+             # where cuBLAS runs the projections above 64 today.
+             "gemv_256": {"LATENTSERVE_GEMV_MAX_ROWS": "256"},
              # Both candidates of 2026-12-04's last session at once.
              "candidates_b1": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "8"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).

@@ -40,7 +40,8 @@ def max_rows() -> int:
     only, 0: cuBLAS throughout, the bench's baselines). 64 by default: from 2 rows it runs on
     tensor-core tiles, faster than cuBLAS at every projection of a decoder layer (bench/gemv.py,
     run 35, 2026-12-04: e.g. fused_qkv_a at 8 rows 4.5 us, cuBLAS 6.2); decode steps against
-    cuBLAS from 2 rows: batch 8 0.93x, batch 64 0.98x (runs 35-36)."""
+    cuBLAS from 2 rows: batch 8 0.93x, batch 64 0.98x (runs 35-36). Above 64 rows in blocks of
+    64 (`dot_config`)."""
     return int(os.environ.get("LATENTSERVE_GEMV_MAX_ROWS", "64"))
 
 
@@ -204,7 +205,7 @@ if triton is not None:
         """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum); NORM: x
         RMS-normed with weight g first; SLOTS: x's rows are sums of SLOTS fp32 rows (`_x_rows`)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nmask = n < N
         mmask = m < M
         acc = _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
@@ -268,7 +269,14 @@ if triton is not None:
         the rows: 18.7 us at 8 rows where cuBLAS took 6.2). K steps shrink until a stage's x and
         weight tiles fit 48 KB (4 stages in the H200's 227 KB of shared memory)."""
         bm, bn = rows_tile(m, True), max(16, block_n(n, sms))
-        if bn == 16 and triton.cdiv(n, 32) >= 96 and os.environ.get("LATENTSERVE_GEMV_WIDE_TILES", "1") != "0":
+        if m > bm:
+            # Above 64 rows, blocks of 64 rows (LATENTSERVE_GEMV_MAX_ROWS=256: bench/gpu.py's
+            # `gemv_256`, not yet timed). Each program re-reads its 64 rows of x from L2, 4x its
+            # weight bytes at 16 outputs a program: the widest outputs that still give ~3/4 of the
+            # SMs a program (a 2048-wide projection at 256 rows: 64, 128 programs).
+            bn = int(os.environ.get("LATENTSERVE_GEMV_TALL_BLOCK_N", "0")) or next(
+                b for b in (64, 32, 16) if b == 16 or triton.cdiv(n, b) * triton.cdiv(m, bm) * 4 >= sms * 3)
+        elif bn == 16 and triton.cdiv(n, 32) >= 96 and os.environ.get("LATENTSERVE_GEMV_WIDE_TILES", "1") != "0":
             # Wide outputs (q_b, 3072 x 768): 32 rows a program still fill ~3/4 of the SMs and
             # re-read x half as often (bench/gemv.py --sweep, runs 39-40: 64 rows 7.25 -> 4.18 us,
             # 8 rows 3.78 -> 3.52; cuBLAS 4.8 and 4.6). LATENTSERVE_GEMV_WIDE_TILES=0: 16 (a baseline).
@@ -292,7 +300,7 @@ if triton is not None:
         g, eps = norm if norm is not None else (x2, 0.0)  # unread without NORM
         cfg = {"DOT": False, **cfg}
         block_m = rows_tile(m, cfg["DOT"])
-        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
             wb.stride(0), g, float(eps), BLOCK_M=block_m, PAIR=pair is not None, IEEE=weight.dtype == torch.float32,
             NORM=norm is not None, SLOTS=slots, **cfg, **pdl.launch(x2.device))

@@ -44,6 +44,28 @@ def test_gemv_matches_reference(n, k, m, dtype, monkeypatch):
     assert torch.equal(y, torch.ops.latentserve.gemv(x, w))  # deterministic
 
 
+@pytest.mark.parametrize("n,k", SHAPES[:2])
+@pytest.mark.parametrize("m", [65, 130, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_above_64_run_in_row_blocks(n, k, m, dtype, monkeypatch):
+    """LATENTSERVE_GEMV_MAX_ROWS above 64: a grid of 64-row blocks (every row computed, the last
+    block's padding masked), the plain and the normed paired kernel alike."""
+    skip_interpreted_16bit_dot(dtype)
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "256")
+    g = torch.Generator().manual_seed(n + k + m)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    assert gemv.supported(x, w)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(torch.ops.latentserve.gemv(x, w).double(), x.double() @ w.double().t(),
+                               atol=tol * 4, rtol=tol)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    y = torch.ops.latentserve.gemv_pair_normed(x, norm, 1e-6, w, x[:, :96], w[:, :96])
+    xd = x.double()
+    ref = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.double()) @ w.double().t()
+    torch.testing.assert_close(y.double(), ref + xd[:, :96] @ w[:, :96].double().t(), atol=tol * 8, rtol=tol * 2)
+
+
 @pytest.mark.parametrize("n,k", SHAPES[:3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_whole_k_steps_match_reference(n, k, dtype, monkeypatch):
