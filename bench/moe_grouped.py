@@ -11,7 +11,8 @@ the ratio torch / Triton, the align kernel alone, and the relative difference of
 At prefill sizes (--m 2048,8192: compute-bound, GB/s means little) the ratio says whether
 moe_grouped.max_tokens() (above it FusedExperts keeps torch._grouped_mm) is placed right.
 --sweep also times candidate block configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per M and
-prints the best: copy it into moe_grouped.CONFIGS.
+prints the best: copy it into moe_grouped.CONFIGS. Then, at that config's BLOCK_M, the down
+kernel's own shapes (LATENTSERVE_MOE_GROUPED_DOWN_CONFIG).
 """
 
 from __future__ import annotations
@@ -135,8 +136,40 @@ def bench_m(ex: FusedExperts, m: int, args, bw: float) -> None:
     for us, c in results[:8]:
         print(f"  sweep M={m}: {c} {us:7.1f} us ({nbytes / us * 1e6 / bw:.2f} of copy, "
               f"{flops / us / 1e6:.0f} TFLOP/s, {theirs / us:.2f}x torch, {ours / us:.2f}x the table's)")
-    if results:  # the LATENTSERVE_MOE_GROUPED_CONFIG spelling of the best, for scripts
-        print(f"best M={m}: {','.join(map(str, results[0][1]))} {results[0][0]:.1f} us")
+    if not results:
+        return
+    # the LATENTSERVE_MOE_GROUPED_CONFIG spelling of the best, for scripts
+    print(f"best M={m}: {','.join(map(str, results[0][1]))} {results[0][0]:.1f} us")
+    sweep_down(ex, x, weights, ids, dict(zip(KEYS, results[0][1])), results[0][0], max(10, args.iters // 4))
+
+
+def down_candidates(block_m: int) -> list[dict]:
+    """The down kernel's own shapes at the best gate/up config's BLOCK_M (the alignment's)."""
+    out = []
+    for bn, bk, st in itertools.product((32, 64, 128), (32, 64, 128), (3, 4)):
+        if (block_m * bk + bk * bn) * 2 * st <= 200 * 1024:
+            out.append(dict(zip(moe_grouped.DOWN_KEYS, (bn, bk, 8 if block_m * bn >= 64 * 128 else 4, st))))
+    return out
+
+
+def sweep_down(ex: FusedExperts, x, weights, ids, best: dict, best_us: float, iters: int) -> None:
+    """With gate/up at its best, the down kernel's shape apart (LATENTSERVE_MOE_GROUPED_DOWN_CONFIG)."""
+    m = x.shape[0]
+    results = []
+    for d in down_candidates(best["BLOCK_M"]):
+        try:
+            us = graph_us(partial(moe_grouped.grouped_experts, x, ex.w13, ex.w2, weights, ids, "silu", 1.0, None,
+                                  cfg={**best, "down": d}), iters)
+        except Exception as err:  # noqa: BLE001 - out of shared memory etc.: skip the config
+            print(f"  down {tuple(d.values())}: failed ({type(err).__name__})")
+            continue
+        results.append((us, tuple(d.values())))
+    results.sort()
+    for us, d in results[:4]:
+        print(f"  sweep down M={m}: {d} {us:7.1f} us ({best_us / us:.2f}x the best shared shape's)")
+    if results:
+        print(f"best down M={m}: {','.join(map(str, results[0][1]))} {results[0][0]:.1f} us "
+              f"(shared shape {best_us:.1f} us)")
 
 
 if __name__ == "__main__":

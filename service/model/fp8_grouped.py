@@ -112,6 +112,7 @@ def grouped_experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, li
     if m == 0:
         return out
     cfg = moe_grouped.config(m, top_k, num_experts)
+    cfg.pop("down", None)  # the bf16 kernels' own down shape; FP8's K steps are bound to its scale blocks
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bn13, bk13 = implied_block(tuple(w13.shape), tuple(s13.shape))
     bn2, bk2 = implied_block(tuple(w2.shape), tuple(s2.shape))

@@ -78,14 +78,25 @@ def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: str) ->
             and x.dim() == 2 and w13.stride(-1) == 1 and w2.stride(-1) == 1)
 
 
+DOWN_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
 def config(tokens: int, top_k: int, num_experts: int) -> dict:
+    """Both kernels' launch shape; "down": the down kernel's own (BLOCK_N, BLOCK_K, warps, stages)
+    where LATENTSERVE_MOE_GROUPED_DOWN_CONFIG="128,64,4,4" sets one (it shares BLOCK_M, the
+    alignment's), to be swept apart from gate/up: its N is the model width (1024), not the shard
+    (2 x 768), and its K the shard (bench/moe_grouped.py --sweep, not yet run on a GPU)."""
     env = os.environ.get("LATENTSERVE_MOE_GROUPED_CONFIG")
     if env:
         row = (0, *map(int, env.split(",")))
     else:
         per_expert = tokens * top_k / max(1, num_experts)
         row = next(r for r in CONFIGS if per_expert <= r[0])
-    return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), row[1:]))
+    cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), row[1:]))
+    down = os.environ.get("LATENTSERVE_MOE_GROUPED_DOWN_CONFIG")
+    if down:
+        cfg["down"] = dict(zip(DOWN_KEYS, map(int, down.split(","))))
+    return cfg
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -260,6 +271,8 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         return out
     cfg = dict(cfg or config(m, top_k, num_experts))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    down = {"BLOCK_N": bn, "BLOCK_K": bk, **cfg, **cfg.pop("down", {})}
+    dn, dk = down.pop("BLOCK_N"), down.pop("BLOCK_K")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = weights.contiguous()
     sorted_pairs, block_expert, used = align(ids, num_experts, bm)
@@ -273,10 +286,10 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None, IEEE=ieee, EVEN_K=width % bk == 0,
         EVEN_N=shard % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg, **pdl.launch(x.device))
     part = torch.empty(num_pairs, width_out, dtype=torch.float32, device=x.device)
-    _down_kernel[(blocks, triton.cdiv(width_out, bn))](
+    _down_kernel[(blocks, triton.cdiv(width_out, dn))](
         h, w2, sorted_pairs, block_expert, used, weights, part, num_pairs, width_out, shard,
         h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
-        IEEE=ieee, EVEN_K=shard % bk == 0, EVEN_N=width_out % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg,
+        IEEE=ieee, EVEN_K=shard % dk == 0, EVEN_N=width_out % dn == 0, BLOCK_M=bm, BLOCK_N=dn, BLOCK_K=dk, **down,
         **pdl.launch(h.device))
     return moe_kernels.slot_sum(part, out, top_k)
 

@@ -112,12 +112,17 @@ SILU, SITU_CLIP, SITU = ("silu", 1.0, None), ("situ", 4.0, 8.0), ("situ", 2.0, N
     (5, 128, 64, (16, 32, 64, 4, 2), SITU),  # a small odd M, even tiles
     (64, 128, 64, None, SILU), (64, 128, 64, None, SITU_CLIP),  # the table's config
     (256, 96, 32, (64, 32, 32, 4, 2), SILU), (256, 96, 32, (64, 32, 32, 4, 2), SITU),
+    # the down kernel's own shape (LATENTSERVE_MOE_GROUPED_DOWN_CONFIG): wider outputs, narrower K steps
+    (17, 160, 48, (16, 32, 32, 4, 2, (64, 16, 4, 2)), SILU), (256, 96, 32, (64, 32, 32, 4, 2, (128, 16, 4, 3)), SITU),
 ])
 def test_experts_match_float64(dtype, m, width, shard, cfg, act):
     act, beta, linear_beta = act
     k, experts = 4, 12
     ref_args, dev = problem(m, k, experts, width, shard, dtype, seed=m + width)
-    cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), cfg)) if cfg else None
+    if cfg:
+        cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "down"), cfg))
+        if "down" in cfg:
+            cfg["down"] = dict(zip(moe_grouped.DOWN_KEYS, cfg["down"]))
     got = moe_grouped.grouped_experts(*dev, act, beta, linear_beta, cfg=cfg)
     # The reference takes the dtype-rounded inputs, so only the kernels' own roundings remain.
     ref = reference(*(t.to(dtype).float() if t.is_floating_point() else t for t in ref_args),
@@ -154,6 +159,8 @@ def test_config_table_and_override(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_MOE_GROUPED_CONFIG", "32,64,64,8,3")
     assert moe_grouped.config(64, 8, 64) == {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8,
                                              "num_stages": 3}
+    monkeypatch.setenv("LATENTSERVE_MOE_GROUPED_DOWN_CONFIG", "128,32,4,4")
+    assert moe_grouped.config(64, 8, 64)["down"] == {"BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 4}
 
 
 def tiny_experts(m: int):
