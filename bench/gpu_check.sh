@@ -3,11 +3,13 @@
 # call each: on a cold H200 the GPU tests alone took ~490 s (run9, 2026-12-03: Inductor and
 # Triton compile everything first), and `bench` (decode bf16 and FP8 with in-run baselines,
 # prefill with its variants, then HTTP serving at 64 and 256 streams with the engine's step
-# phases) ~400 s. `all` runs the bench first, so a short budget still measures.
+# phases) ~400 s. `all` runs the bench first, so a short budget still measures. `sweeps` (a call
+# of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
+# own shape, and the GEMV at 128 and 256 rows.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,10 +32,10 @@ group() {  # name, seconds, pytest args...
   echo "== $name rc=$? $(( $(date +%s) - s ))s: $(grep -E 'passed|failed|error|skipped|no tests ran' "$OUT/$name.txt" | tail -1)"
 }
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
-if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
+if { [ "$what" = bench ] || [ "$what" = all ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 420 ? 420 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,8 --baselines pair_slots,merge_out,candidates_b1,no_pdl \
+    --skip hf,sleep,k3,k3graphs,tail --batches 1,8,64,256 --profile-batches 1,8 --baselines pair_slots,merge_out,candidates_b1,absorb_wide_k,gemv_256 \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
@@ -51,7 +53,15 @@ if [ "$what" != tests ] && [ "$(left)" -gt 120 ]; then
     echo "== mixed_steps rc=$?"; grep -E "^mixed steps|wave [0-9]" "$OUT/mixed_steps.log" | cut -c1-600
   fi
 fi
-if [ "$what" != bench ]; then
+if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
+  timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \
+    > "$OUT/moe_grouped_sweep.log" 2>&1
+  echo "== moe_grouped sweep rc=$?"; grep -E "^M=|^best" "$OUT/moe_grouped_sweep.log" | cut -c1-400
+  timeout "$(( $(left) - 10 ))" python3 bench/gemv.py --rows 128 256 --sweep \
+    --shapes fused_qkv_a q_b o_proj latent_up shared_down --json "$OUT/gemv_256.json" > "$OUT/gemv_256.log" 2>&1
+  echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
+fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
   # 300 s: run 37 (2026-12-04) took 149 s for four of these files alone on a cold machine; run 44
   # 174 s for test_moe_entry, test_moe_kernels, test_mla_decode_kernel and test_gemv.
   group kernels 300 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \
