@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from . import mla_absorb, pdl
+from . import mla_absorb, pdl  # noqa: F401 - mla_absorb registers the W_UV op the one-split case calls
 
 try:
     import triton
@@ -353,7 +353,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_SPLITS=splits, WRITE_KV=write, IEEE=ieee, **launch, **pdl.launch(q_lat.device),
     )
     if w_uv is not None:
-        return mla_absorb._absorb_out(o[:, 0], w_uv) if splits == 1 else merge_out(o, lse, w_uv)
+        return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv) if splits == 1 else merge_out(o, lse, w_uv)
     if splits == 1:
         return o[:, 0]
     out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)

@@ -207,7 +207,7 @@ def test_gemv_pair_normed_sums_slots_first(dtype):
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_latent_moe_tail_with_the_norm_in_the_pair(tokens, monkeypatch):
+def test_latent_moe_tail_with_the_norm_in_the_pair(tokens, monkeypatch, spy):
     """A latent MoE layer at TP 1 with its latent norm inside the paired GEMV (the default at one
     row; LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS=64 for five) gives the layer's output with the norm
     as its own op (=0)."""
@@ -218,11 +218,9 @@ def test_latent_moe_tail_with_the_norm_in_the_pair(tokens, monkeypatch):
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS", "0")
     ref = layer(x)
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS", "1" if tokens == 1 else "64")
-    calls = []
-    op = torch.ops.latentserve.gemv_pair_normed
-    monkeypatch.setattr(torch.ops.latentserve, "gemv_pair_normed", lambda *a: calls.append(1) or op(*a))
+    calls = spy(torch.ops.latentserve, "gemv_pair_normed")
     torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-4)
-    assert calls == [1]
+    assert len(calls) == 1
 
 
 def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
@@ -238,7 +236,7 @@ def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
     torch.testing.assert_close(paired, layer(x), atol=1e-5, rtol=1e-4)
 
 
-def test_latent_moe_tail_with_the_slot_sum_in_the_pair(monkeypatch):
+def test_latent_moe_tail_with_the_slot_sum_in_the_pair(monkeypatch, spy):
     """LATENTSERVE_GEMV_PAIR_SLOTS=1: at one token the experts' unsummed outputs go to the normed
     pair (one launch for slot sum, norm, up and shared down) with the layer's output unchanged."""
     from test_moe_entry import latent_moe_layer
@@ -246,11 +244,9 @@ def test_latent_moe_tail_with_the_slot_sum_in_the_pair(monkeypatch):
     layer, x = latent_moe_layer("k3-tiny")
     ref = layer(x)
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_SLOTS", "1")
-    calls = []
-    op = torch.ops.latentserve.moe_experts_parts
-    monkeypatch.setattr(torch.ops.latentserve, "moe_experts_parts", lambda *a: calls.append(1) or op(*a))
+    calls = spy(torch.ops.latentserve, "moe_experts_parts")
     torch.testing.assert_close(layer(x), ref, atol=1e-6, rtol=1e-6)
-    assert calls == [1]
+    assert len(calls) == 1
     two = torch.cat([x, x])  # two tokens: the pair norm's one row does not apply, nor does this
     torch.testing.assert_close(layer(two), torch.cat([ref, ref]), atol=1e-5, rtol=1e-4)
-    assert calls == [1]
+    assert len(calls) == 1
