@@ -398,6 +398,10 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              # Candidate, not yet timed: the GEMV (and its pairs) up to 256 rows in 64-row blocks,
              # where cuBLAS runs the projections above 64 today.
              "gemv_256": {"LATENTSERVE_GEMV_MAX_ROWS": "256"},
+             # Candidates, not yet timed: the expert selection on one warp (no barriers), and with the
+             # chosen experts' scores reloaded from their logits after the top-k (moe_select.launch_options).
+             "select_1_warp": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1"},
+             "select_lean": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1"},
              # Both candidates of 2026-12-04's last session at once.
              "candidates_b1": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "8"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).

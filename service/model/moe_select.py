@@ -10,6 +10,8 @@ fewer a layer, was 1.14x slower at batch 8 on the H200 (bench/RESULTS.md, run 43
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import pdl
@@ -26,15 +28,20 @@ if triton is not None:
     @triton.jit
     def choose(logits_ptr, bias_ptr, t, stride_l, E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
                TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
-               SOFTMAX: tl.constexpr):
-        """Token t's experts [K_PAD] and weights before scaling: scores, bias, groups, top-k."""
+               SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr = False):
+        """Token t's experts [K_PAD] and weights before scaling: scores, bias, groups, top-k.
+        GATHER_W: the chosen experts' scores recomputed from their logits, reloaded (from L1) after
+        the top-k loop, where each pick otherwise sums its score out of all E (a reduction a pick
+        on the selection's dependent chain); the same expression on the same values, so bit-equal."""
         e = tl.arange(0, E_PAD)
         emask = e < E
         logits = tl.load(logits_ptr + t * stride_l + e, mask=emask, other=0.0)
         if SOFTMAX:
             z = tl.where(emask, logits, float("-inf"))
-            z = tl.exp(z - tl.max(z, 0))
-            scores = z / tl.sum(z, 0)
+            z_max = tl.max(z, 0)
+            z = tl.exp(z - z_max)
+            z_sum = tl.sum(z, 0)
+            scores = z / z_sum
         else:
             scores = tl.sigmoid(logits)
         bias = tl.load(bias_ptr + e, mask=emask, other=0.0)
@@ -60,8 +67,16 @@ if triton is not None:
         for j in tl.static_range(TOP_K):
             best = tl.argmax(choice, 0)
             chosen = tl.where(ks == j, best.to(tl.int64), chosen)
-            w = tl.where(ks == j, tl.sum(tl.where(e == best, scores, 0.0), 0), w)
+            if not GATHER_W:
+                w = tl.where(ks == j, tl.sum(tl.where(e == best, scores, 0.0), 0), w)
             choice = tl.where(e == best, float("-inf"), choice)
+        if GATHER_W:
+            picked = tl.load(logits_ptr + t * stride_l + chosen, mask=ks < TOP_K, other=0.0)
+            if SOFTMAX:
+                w = tl.exp(picked - z_max) / z_sum
+            else:
+                w = tl.sigmoid(picked)
+            w = tl.where(ks < TOP_K, w, 0.0)
         if NORM:
             w = w / (tl.sum(w, 0) + 1e-20)
         return chosen, w
@@ -70,12 +85,12 @@ if triton is not None:
     def _route_select_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
                              E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
                              TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                             NORM: tl.constexpr, SOFTMAX: tl.constexpr, PDL: tl.constexpr):
+                             NORM: tl.constexpr, SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr, PDL: tl.constexpr):
         """Program per token: its experts and weights."""
         pdl.enter(PDL)
         t = tl.program_id(0)
         chosen, w = choose(logits_ptr, bias_ptr, t, stride_l, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM,
-                            SOFTMAX)
+                            SOFTMAX, GATHER_W)
         ks = tl.arange(0, K_PAD)
         kmask = ks < TOP_K
         tl.store(ids_ptr + t * TOP_K + ks, chosen, mask=kmask)
@@ -89,10 +104,26 @@ def meta(num_experts: int, n_group: int, topk_group: int, top_k: int, norm_topk_
                 NORM=bool(norm_topk_prob), SOFTMAX=bool(softmax))
 
 
+def launch_options(e_pad: int) -> dict:
+    """Warps and the weights' gather. The selection is a chain of ~20 dependent reductions over E
+    (group scores, group picks, top-k argmaxes, each pick's score) on one token: latency, not
+    work, ~4 us a layer at every batch (run 45). On 4 warps each reduction crosses warps through
+    shared memory and barriers; on one (LATENTSERVE_ROUTE_SELECT_WARPS=1, up to 256 experts) it
+    is shuffles only. sm_90 PTX at the small preset's 64 experts: 966 instructions and 51
+    barriers on 4 warps, 749 and none on one, 643 with GATHER_W too. Kimi-K3's 896 keep 8 warps:
+    on one, 32 experts a lane make it 4882-6170 instructions (1844 on 8 with GATHER_W).
+    LATENTSERVE_ROUTE_SELECT_GATHER=1: `choose`'s GATHER_W. Both untimed: bench/gpu.py's
+    `select_1_warp` and `select_lean`."""
+    warps = 4 if e_pad <= 256 else 8
+    if e_pad <= 256:
+        warps = int(os.environ.get("LATENTSERVE_ROUTE_SELECT_WARPS", "0")) or warps
+    return {"num_warps": warps, "GATHER_W": os.environ.get("LATENTSERVE_ROUTE_SELECT_GATHER", "0") == "1"}
+
+
 def select(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_group: int,
            topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, softmax: bool) -> None:
     """Fill weights and ids [M, top_k] from the logits [M, E], one program a token."""
     consts = meta(logits.shape[1], n_group, topk_group, top_k, norm_topk_prob, softmax)
     _route_select_kernel[(logits.shape[0],)](
         logits, bias, weights, ids, logits.stride(0), float(scaling), **consts,
-        num_warps=4 if consts["E_PAD"] <= 256 else 8, **pdl.launch(logits.device))
+        **launch_options(consts["E_PAD"]), **pdl.launch(logits.device))

@@ -44,6 +44,25 @@ def test_route_matches_torch(experts, top_k, n_group, topk_group, softmax, norm)
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("lean", [{"LATENTSERVE_ROUTE_SELECT_WARPS": "1"}, {"LATENTSERVE_ROUTE_SELECT_GATHER": "1"},
+                                  {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1"}])
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group,softmax,norm", [
+    (64, 8, 8, 4, False, True), (48, 6, 1, 1, False, False), (32, 4, 1, 1, True, True), (896, 16, 1, 1, False, True)])
+def test_lean_selection_is_bit_equal(monkeypatch, lean, experts, top_k, n_group, topk_group, softmax, norm):
+    """The selection on one warp, and with the chosen scores reloaded from their logits
+    (moe_select.launch_options): the same experts in the same slots and bit-equal weights."""
+    g = torch.Generator().manual_seed(experts)
+    x = torch.randn(5, 96, generator=g).to(DEVICE)
+    w = torch.randn(experts, 96, generator=g).to(DEVICE)
+    bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE)
+    args = (x, w, bias, n_group, topk_group, top_k, norm, 2.5, softmax)
+    ref_w, ref_ids = torch.ops.latentserve.moe_route(*args)
+    for name, value in lean.items():
+        monkeypatch.setenv(name, value)
+    got_w, got_ids = torch.ops.latentserve.moe_route(*args)
+    assert torch.equal(got_ids, ref_ids) and torch.equal(got_w, ref_w)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,experts,n_group,topk_group", [(128, 64, 8, 4), (300, 896, 1, 1), (130, 48, 1, 1)])
 def test_token_tiled_router_logits_match_torch(monkeypatch, dtype, m, experts, n_group, topk_group):
