@@ -116,8 +116,7 @@ class FusedExperts(nn.Module):
             if out is not None:
                 return out
         # More tokens: the Triton grouped GEMM (prefill too, unless a cap hands it to torch._grouped_mm).
-        limit = moe_grouped.max_tokens()
-        if grouped and (limit is None or x.shape[0] <= limit or not grouped_mm_fast(x)):
+        if self._grouped_kernels(x, grouped):
             out = moe_kernels.call(torch.ops.latentserve.moe_grouped_experts, x, self.w13, self.w2, weights, ids,
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
@@ -137,14 +136,25 @@ class FusedExperts(nn.Module):
         return moe_kernels.experts_supported(x, self.act_name) and not (
             grouped and x.shape[0] >= moe_kernels.grouped_from_tokens())
 
+    def _grouped_kernels(self, x: torch.Tensor, grouped: bool) -> bool:
+        limit = moe_grouped.max_tokens()
+        return grouped and (limit is None or x.shape[0] <= limit or not grouped_mm_fast(x))
+
     def parts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """Where `forward` runs the GEMV kernels: their weighted fp32 outputs a (token, slot) pair
-        [M * k, W], not yet summed (moe_experts_parts); else None."""
-        if self.w13_scale_inv is not None or not self._gemv_kernels(
-                x, moe_grouped.supported(x, self.w13, self.w2, self.act_name)):
+        """Where `forward` runs our Triton kernels (the GEMV experts, the grouped GEMM): their
+        weighted fp32 outputs a (token, slot) pair [M * k, W], not yet summed
+        (moe_experts_parts, moe_grouped_experts_parts); else None."""
+        if self.w13_scale_inv is not None:
             return None
-        return moe_kernels.call(torch.ops.latentserve.moe_experts_parts, x, self.w13, self.w2, weights, ids,
-                                self.act_name, self.act_beta, self.act_linear_beta)
+        grouped = moe_grouped.supported(x, self.w13, self.w2, self.act_name)
+        if self._gemv_kernels(x, grouped):
+            op = torch.ops.latentserve.moe_experts_parts
+        elif self._grouped_kernels(x, grouped):
+            op = torch.ops.latentserve.moe_grouped_experts_parts
+        else:
+            return None
+        return moe_kernels.call(op, x, self.w13, self.w2, weights, ids, self.act_name, self.act_beta,
+                                self.act_linear_beta)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Two grouped GEMMs over the (token, expert) pairs sorted by expert. No host sync and
@@ -232,6 +242,7 @@ class MoE(nn.Module):
             self.tail = tail if tail is not None else TailRunner(layer_idx, tp, "off")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self._norm_weight()
         entry = self._entry(x)
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
@@ -239,8 +250,12 @@ class MoE(nn.Module):
             out = self._slots_tail(latent, weights, ids, h)
             if out is not None:
                 return out
-            routed_partial = self.experts(latent, weights, ids)
-            out = self._one_rank_tail(routed_partial, h)
+            routed_partial = self._normed_routed(latent, weights, ids)
+            if routed_partial is not None:  # normed already
+                norm = None
+            else:
+                routed_partial = self.experts(latent, weights, ids)
+            out = self._one_rank_tail(routed_partial, h, norm)
             if out is not None:
                 return out
             shared_partial = self.shared_experts.down_proj(h, reduce=False)
@@ -251,25 +266,37 @@ class MoE(nn.Module):
                               else torch.zeros_like(x))
         if not self.latent:
             return self.tp.all_reduce(routed_partial + shared_partial)
-        return self.tail(routed_partial, shared_partial, self._norm_weight(), self.routed_expert_up_proj.weight,
-                         self.eps)
+        return self.tail(routed_partial, shared_partial, norm, self.routed_expert_up_proj.weight, self.eps)
 
     def _norm_weight(self) -> torch.Tensor | None:
         return self.routed_expert_norm.weight if self.routed_expert_norm is not None else None
 
-    def _one_rank_tail(self, routed: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+    def _one_rank_tail(self, routed: torch.Tensor, h: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor | None:
         """TP 1, up to gemv.max_rows() tokens: the latent's up-projection and the shared experts'
         down-projection land in the same rows, so one GEMV launch sums both (tail.unfused_tail's
-        math, with the sum rounded once); None where it does not apply."""
+        math, with the sum rounded once); None where it does not apply. norm: the latent norm's
+        weight, None where there is none or `routed` is normed already."""
         down = self.shared_experts.down_proj
         if self.tp.world_size != 1 or getattr(down, "weight_scale_inv", None) is not None:
             return None
-        up, norm = self.routed_expert_up_proj.weight, self._norm_weight()
+        up = self.routed_expert_up_proj.weight
         if not gemv.pair_supported(routed, up, h, down.weight):
             return None
         if norm is not None and routed.shape[0] <= gemv.pair_norm_max_rows():  # the norm in the same launch
             return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight)
         return gemv.run(torch.ops.latentserve.gemv_pair, latent_norm(routed, norm, self.eps), up, h, down.weight)
+
+    def _normed_routed(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """TP 1 from two rows (LATENTSERVE_MOE_SLOT_NORM=1, not yet timed): the experts' outputs
+        summed and latent-normed in one kernel (moe_slot_sum_norm), where the norm was a kernel of
+        its own before the paired GEMV (one row keeps the pair norm); else None."""
+        norm = self._norm_weight()
+        if not (moe_kernels.slot_norm_enabled() and self.tp.world_size == 1 and norm is not None
+                and latent.shape[0] > gemv.pair_norm_max_rows()):
+            return None
+        parts = self.experts.parts(latent, weights, ids)
+        return None if parts is None else moe_kernels.call(torch.ops.latentserve.moe_slot_sum_norm, parts,
+                                                           ids.shape[1], norm, self.eps)
 
     def _slots_tail(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     h: torch.Tensor) -> torch.Tensor | None:

@@ -262,13 +262,14 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    act: str, beta: float, linear_beta: float | None, cfg: dict | None = None) -> torch.Tensor:
+                    act: str, beta: float, linear_beta: float | None, cfg: dict | None = None,
+                    sum_slots: bool = True) -> torch.Tensor:
+    """sum_slots=False: the weighted fp32 outputs a (token, slot) pair [M * k, W], unsummed."""
     m, width = x.shape
     num_experts, top_k, shard = w13.shape[0], ids.shape[1], w2.shape[2]
     width_out = w2.shape[1]
-    out = torch.empty(m, width_out, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return torch.empty(0, width_out, dtype=x.dtype if sum_slots else torch.float32, device=x.device)
     cfg = dict(cfg or config(m, top_k, num_experts))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     down = {"BLOCK_N": bn, "BLOCK_K": bk, **cfg, **cfg.pop("down", {})}
@@ -291,7 +292,9 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
         IEEE=ieee, EVEN_K=shard % dk == 0, EVEN_N=width_out % dn == 0, BLOCK_M=bm, BLOCK_N=dn, BLOCK_K=dk, **down,
         **pdl.launch(h.device))
-    return moe_kernels.slot_sum(part, out, top_k)
+    if not sum_slots:
+        return part
+    return moe_kernels.slot_sum(part, torch.empty(m, width_out, dtype=x.dtype, device=x.device), top_k)
 
 
 if triton is not None:
@@ -305,3 +308,13 @@ if triton is not None:
     @experts.register_fake
     def _(x, w13, w2, weights, ids, act, beta, linear_beta):
         return x.new_empty(x.shape[0], w2.shape[1])
+
+    @torch.library.custom_op("latentserve::moe_grouped_experts_parts", mutates_args=())
+    def experts_parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+        """`experts` without its slot sum, as latentserve::moe_experts_parts: [M * k, W] fp32."""
+        return grouped_experts(x, w13, w2, weights, ids, act, beta, linear_beta, sum_slots=False)
+
+    @experts_parts.register_fake
+    def _(x, w13, w2, weights, ids, act, beta, linear_beta):
+        return x.new_empty(x.shape[0] * ids.shape[1], w2.shape[1], dtype=torch.float32)

@@ -202,9 +202,10 @@ if triton is not None:
         tl.store(part_ptr + p * stride_p + n, y, mask=nmask)
 
     @triton.jit
-    def _slot_sum_kernel(part_ptr, out_ptr, width, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-        """out[t] = sum over the token's slots in slot order (deterministic), in the output dtype."""
+    def _slot_sum_kernel(part_ptr, out_ptr, width, stride_p, stride_o, g_ptr, eps, TOP_K: tl.constexpr,
+                         BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        """out[t] = sum over the token's slots in slot order (deterministic), in the output dtype.
+        NORM (BLOCK covers the row): that sum RMS-normed with weight g, as tail.rms_norm rounds."""
         pdl.enter(PDL)
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -212,7 +213,12 @@ if triton is not None:
         total = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(TOP_K):
             total += tl.load(part_ptr + (t * TOP_K + j) * stride_p + n, mask=nmask, other=0.0)
-        tl.store(out_ptr + t * stride_o + n, total.to(out_ptr.dtype.element_ty), mask=nmask)
+        dtype = out_ptr.dtype.element_ty
+        if NORM:
+            xf = total.to(dtype).to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / width + eps)
+            total = xf * inv_rms * tl.load(g_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + n, total.to(dtype), mask=nmask)
 
 
 def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
@@ -288,13 +294,25 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     return slot_sum(part, torch.empty(m, width_out, dtype=x.dtype, device=x.device), top_k)
 
 
-def slot_sum(part: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
-    """out[t] = the sum of part's top_k rows of token t (fp32, then out's dtype)."""
+def slot_sum(part: torch.Tensor, out: torch.Tensor, top_k: int,
+             norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """out[t] = the sum of part's top_k rows of token t (fp32, then out's dtype); with norm
+    (weight, eps) that row RMS-normed, one program a row."""
     m, width_out = out.shape
-    _slot_sum_kernel[(m, triton.cdiv(width_out, 1024))](part, out, width_out, part.stride(0), out.stride(0),
-                                                         TOP_K=top_k, BLOCK=1024, num_warps=4,
-                                                         **pdl.launch(part.device))
+    block = 1024 if norm is None else triton.next_power_of_2(width_out)
+    g, eps = norm if norm is not None else (out, 0.0)  # unread without NORM
+    _slot_sum_kernel[(m, triton.cdiv(width_out, block))](part, out, width_out, part.stride(0), out.stride(0), g,
+                                                          float(eps), TOP_K=top_k, BLOCK=block, NORM=norm is not None,
+                                                          num_warps=4 if block <= 2048 else 8,
+                                                          **pdl.launch(part.device))
     return out
+
+
+def slot_norm_enabled() -> bool:
+    """LATENTSERVE_MOE_SLOT_NORM=1 (not yet timed; bench/gpu.py's `slot_norm`): from two rows, at
+    TP 1, the latent MoE's RMS norm in the experts' slot-sum kernel (`slot_sum_norm`), where it
+    is a kernel of its own between the slot sum and the paired GEMV (MoE._normed_routed)."""
+    return os.environ.get("LATENTSERVE_MOE_SLOT_NORM", "0") == "1"
 
 
 if triton is not None:
@@ -348,3 +366,14 @@ if triton is not None:
     @experts_parts.register_fake
     def _(x, w13, w2, weights, ids, act, beta, linear_beta):
         return x.new_empty(x.shape[0] * ids.shape[1], w2.shape[1], dtype=torch.float32)
+
+    @torch.library.custom_op("latentserve::moe_slot_sum_norm", mutates_args=())
+    def slot_sum_norm(parts: torch.Tensor, top_k: int, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """parts [M * k, W] fp32 (`experts_parts`, moe_grouped_experts_parts) -> rms_norm of each
+        token's slot sum [M, W] in norm_weight's dtype: the slot sum's roundings, then the norm's."""
+        out = torch.empty(parts.shape[0] // top_k, parts.shape[1], dtype=norm_weight.dtype, device=parts.device)
+        return slot_sum(parts, out, top_k, norm=(norm_weight, eps)) if out.shape[0] else out
+
+    @slot_sum_norm.register_fake
+    def _(parts, top_k, norm_weight, eps):
+        return parts.new_empty(parts.shape[0] // top_k, parts.shape[1], dtype=norm_weight.dtype)

@@ -229,10 +229,10 @@ def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
 
     layer, x = latent_moe_layer("k3-tiny")
     latent, h, _ = layer._entry(x)
-    assert layer._one_rank_tail(latent, h) is not None
+    assert layer._one_rank_tail(latent, h, layer._norm_weight()) is not None
     paired = layer(x)
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR", "0")
-    assert layer._one_rank_tail(latent, h) is None
+    assert layer._one_rank_tail(latent, h, layer._norm_weight()) is None
     torch.testing.assert_close(paired, layer(x), atol=1e-5, rtol=1e-4)
 
 

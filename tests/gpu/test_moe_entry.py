@@ -94,16 +94,16 @@ def test_not_for_more_rows_or_other_dtypes(monkeypatch):
     assert not moe_entry.supported(torch.randn(1, 32).to(DEVICE), w.to(torch.bfloat16), w, w, "silu")
 
 
-def latent_moe_layer(preset: str) -> tuple[MoE, torch.Tensor]:
-    """A TP-1 latent MoE layer of `preset` with small random weights (norms near 1), fp32, and one token."""
+def latent_moe_layer(preset: str, dtype: torch.dtype = torch.float32) -> tuple[MoE, torch.Tensor]:
+    """A TP-1 latent MoE layer of `preset` with small random weights (norms near 1), and one token."""
     cfg = dataclasses.replace(PRESETS[preset])
     torch.manual_seed(0)
-    layer = MoE(cfg, TPGroup.single(), layer_idx=1, dtype=torch.float32, tail=None).to(DEVICE)
+    layer = MoE(cfg, TPGroup.single(), layer_idx=1, dtype=dtype, tail=None).to(DEVICE)
     for name, p in layer.named_parameters():
         p.data = (torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.1)).to(p.dtype)
         if name.endswith("norm.weight"):
             p.data = 1.0 + p.data
-    return layer, torch.randn(1, cfg.hidden_size).to(DEVICE)
+    return layer, torch.randn(1, cfg.hidden_size).to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny"])

@@ -169,3 +169,42 @@ def test_experts_bf16_match_the_torch_path(m):
                     lambda a, b: torch.nn.functional.silu(a) * b)
     err = (got.double().cpu() - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,top_k,width", [(1, 8, 1024), (5, 8, 600), (40, 16, 96)])
+def test_slot_sum_norm_equals_the_sum_then_rms_norm(dtype, m, top_k, width):
+    """moe_slot_sum_norm: each token's slot sum rounded to the model dtype, then tail.rms_norm's
+    math (a width that is not a power of two masks the row's end)."""
+    from service.tail.base import rms_norm
+
+    g = torch.Generator().manual_seed(m + width)
+    parts = (torch.randn(m * top_k, width, generator=g) * 3).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(DEVICE, dtype)
+    got = torch.ops.latentserve.moe_slot_sum_norm(parts, top_k, weight, 1e-6)
+    summed = moe_kernels.slot_sum(parts, torch.empty(m, width, dtype=dtype, device=DEVICE), top_k)
+    ref = rms_norm(summed, weight, 1e-6)
+    assert got.shape == (m, width) and got.dtype == dtype
+    # The same roundings; only the fp32 mean's order of addition differs (one ulp of the dtype at most).
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got.double(), ref.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tokens", [(torch.float32, 5), (torch.bfloat16, 8), (torch.bfloat16, 40)])
+def test_latent_moe_with_the_norm_in_the_slot_sum(dtype, tokens, monkeypatch, spy):
+    """LATENTSERVE_MOE_SLOT_NORM=1: from two tokens the latent MoE's norm runs in the experts'
+    slot-sum kernel (GEMV experts' parts at 5 tokens in fp32, the grouped GEMM's in bf16) with
+    the layer's output unchanged."""
+    from test_moe_entry import latent_moe_layer
+
+    skip_interpreted_16bit_dot(dtype)
+    layer, x = latent_moe_layer("k3-tiny", dtype)
+    x = torch.randn(tokens, x.shape[1], generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
+    with torch.no_grad():
+        ref = layer(x)
+        monkeypatch.setenv("LATENTSERVE_MOE_SLOT_NORM", "1")
+        calls = spy(torch.ops.latentserve, "moe_slot_sum_norm")
+        got = layer(x)
+    assert len(calls) == 1
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), f"relative error {err:.2e}"
