@@ -344,8 +344,9 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
 def mode_graph_ms(args, env: dict[str, str]) -> dict:
     """Decode graph step ms per batch, and replay profiles, of the same model built under `env`
     (LATENTSERVE_COMPILE=0: nothing compiled, =chains: only the elementwise chains;
-    LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts)."""
-    with switches(env):
+    LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts). Without prefill graphs,
+    which decode steps never replay: their capture was ~12 s of each build (run 45)."""
+    with switches({"LATENTSERVE_PREFILL_GRAPHS": "0", **env}):
         llm = decode_llm(args)
         worker, ms, profiles = llm.executor.rank0, {}, []
         layers = len(worker.model.layers)
