@@ -9,7 +9,7 @@
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +60,11 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   timeout "$(( $(left) - 10 ))" python3 bench/gemv.py --rows 128 256 --sweep \
     --shapes fused_qkv_a q_b o_proj latent_up shared_down --json "$OUT/gemv_256.json" > "$OUT/gemv_256.log" 2>&1
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
+fi
+if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
+  timeout "$(( $(left) - 10 ))" python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail \
+    --batches 1,8,64 --json "$OUT/k3graphs.json" > "$OUT/k3graphs.log" 2>&1
+  echo "== k3graphs rc=$?"; grep -E "k3-small decode|Error" "$OUT/k3graphs.log" | cut -c1-300
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # 300 s: run 37 (2026-12-04) took 149 s for four of these files alone on a cold machine; run 44
