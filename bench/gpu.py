@@ -312,6 +312,10 @@ def bench_k3_graphs(args, bw: float) -> None:
                 eager_ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
         row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": graph_ms, "eager_ms": eager_ms,
                "speedup": eager_ms / graph_ms, "floor_fraction": need / bw * 1e3 / min(graph_ms, eager_ms)}
+        if graphs is not None and batch in args.profile_batches:  # where a K3 step's kernels go, KDA layers too
+            prof = profile_replay(graphs, batch, len(worker.model.layers))
+            print(prof["table"], flush=True)
+            row["kernels_per_layer"] = prof["kernels_per_layer"]
         rows.append(row)
         log(f"k3-small decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
     RESULTS["k3graphs"] = {"overrides": K3_SMALL, "graphs": graphs.stats() if graphs else "off", "decode": rows}

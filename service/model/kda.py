@@ -26,6 +26,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..log import get_logger
 from ..parallel import TPGroup
+from . import kda_ops
 from .attn_metadata import AttnMetadata
 from .fusion import fused
 from .kda_ops import fla_available, fla_decode, fla_kda, write_rows
@@ -240,6 +241,9 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         if state is None and any(p != 0 for p in meta.start_positions):
             raise ValueError("without a KDA state cache every chunk must start at position 0")
         use_fla = self._use_fla(mixed)
+        if (use_fla and out is None and state is not None and not meta.prefill_chunks
+                and kda_ops.decode_conv_enabled()):
+            return self._decode_fused(mixed, raw_g, raw_beta, meta, state)
         core = mixed.new_empty(t, heads, d) if out is None else out
         if state is None:
             prefills = list(range(len(meta.query_lens)))  # cache-less: one-token chunks too start from zeros
@@ -312,6 +316,17 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         write_rows(state.recurrent, rows, s1)
         # Rounded to the model dtype before the norm, as transformers and vLLM (and FLA's output) do.
         core.index_copy_(0, idx, o.to(core.dtype))
+
+    def _decode_fused(self, mixed, raw_g, raw_beta, meta: AttnMetadata, state: KDAState) -> torch.Tensor:
+        """An all-decode step (token i is sequence i's) on two Triton launches and FLA's: the
+        short convs (kda_ops.decode_conv), then the recurrent step on its outputs as they are."""
+        t, heads, d = mixed.shape[0], self.num_heads, self.head_dim
+        rows = meta.state_slots
+        q, k, v = kda_ops.decode_conv(mixed, state.conv, rows, meta.positions, self.q_conv1d.weight,
+                                      self.k_conv1d.weight, self.v_conv1d.weight)
+        return fla_decode(q.view(t, heads, d), k.view(t, heads, d), v.view(t, heads, d), raw_g.view(t, heads, d),
+                          raw_beta.view(t, heads), self.A_log, self.dt_bias, state.recurrent, rows, meta.positions,
+                          d ** -0.5, self.lower_bound)
 
     # ---- prefill chunks: per sequence, from the row's state -----------------------------------
     def _prefill(self, chunks: list[int], mixed, raw_g, raw_beta, meta: AttnMetadata, state: KDAState | None,

@@ -17,6 +17,7 @@ attention.write_kv). FLA's fused recurrent kernel is a Triton launch behind Pyth
 from __future__ import annotations
 
 import functools
+import os
 from types import SimpleNamespace
 
 import torch
@@ -96,6 +97,82 @@ def write_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None
         torch.ops.latentserve.kda_write_rows(dst, rows, src)
     else:
         _write_rows(dst, rows, src)
+
+
+# ---- a decode step's short convs: one kernel -----------------------------------------------------
+
+def decode_conv_enabled() -> bool:
+    """LATENTSERVE_KDA_DECODE_CONV=1 (not yet timed on a GPU: `bench/gpu_check.sh k3` times it): an
+    all-decode step's three short convs as one kernel (`decode_conv`) whose q, k and v go to FLA
+    as they are, where the compiled layer gathered the history, concatenated the window, wrote it
+    back, convolved, and FLA's wrapper then copied q, k and v contiguous (three copies)."""
+    return os.environ.get("LATENTSERVE_KDA_DECODE_CONV", "0") == "1"
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_conv_kernel(mixed_ptr, conv_ptr, rows_ptr, positions_ptr, wq_ptr, wk_ptr, wv_ptr, q_ptr, k_ptr,
+                            v_ptr, P, stride_m, stride_cs, stride_cc, stride_w, stride_o,
+                            W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (token, q/k/v, channel block): the window [history | input] of each channel
+        (zeros for a sequence at position 0: its row may hold anything), out = silu(window . w)
+        in fp32 rounded to the input's dtype, and the row's history shifted by one. Every load of
+        the row comes before the barrier, every store after: lanes read taps that others write."""
+        t = tl.program_id(0)
+        part = tl.program_id(1)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = c < P
+        if part == 0:
+            w_ptr, o_ptr = wq_ptr, q_ptr
+        elif part == 1:
+            w_ptr, o_ptr = wk_ptr, k_ptr
+        else:
+            w_ptr, o_ptr = wv_ptr, v_ptr
+        row = tl.load(rows_ptr + t).to(tl.int64)
+        kept = tl.load(positions_ptr + t) != 0
+        ch = part * P + c
+        j = tl.arange(0, W_PAD)
+        hist = conv_ptr + row * stride_cs + ch[:, None].to(tl.int64) * stride_cc + j[None, :]
+        window = tl.load(hist, mask=cmask[:, None] & (j < W - 1)[None, :] & kept, other=0.0)
+        shifted = tl.load(hist + 1, mask=cmask[:, None] & (j < W - 2)[None, :] & kept, other=0.0)
+        x = tl.load(mixed_ptr + t * stride_m + ch, mask=cmask, other=0.0)
+        xf = x.to(tl.float32)
+        window = tl.where((j == W - 1)[None, :], xf[:, None], window)
+        shifted = tl.where((j == W - 2)[None, :], xf[:, None], shifted)
+        w = tl.load(w_ptr + c[:, None] * stride_w + j[None, :], mask=cmask[:, None] & (j < W)[None, :], other=0.0)
+        acc = tl.sum(window * w.to(tl.float32), 1)
+        tl.store(o_ptr + t * stride_o + c, (acc * tl.sigmoid(acc)).to(x.dtype), mask=cmask)
+        tl.debug_barrier()
+        tl.store(hist, shifted, mask=cmask[:, None] & (j < W - 1)[None, :])
+
+
+def _decode_conv(mixed: torch.Tensor, conv: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                 wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    b, p = mixed.shape[0], mixed.shape[1] // 3
+    width = wq.shape[-1]
+    outs = tuple(mixed.new_empty(b, p) for _ in range(3))
+    if b == 0:
+        return outs
+    block = min(256, triton.next_power_of_2(p))
+    _decode_conv_kernel[(b, 3, triton.cdiv(p, block))](
+        mixed, conv, rows, positions, wq, wk, wv, *outs, p, mixed.stride(0), conv.stride(0), conv.stride(1),
+        wq.stride(0), outs[0].stride(0), W=width, W_PAD=triton.next_power_of_2(width), BLOCK_C=block, num_warps=4)
+    return outs
+
+
+@torch.library.custom_op("latentserve::kda_decode_conv", mutates_args=("conv",))
+def decode_conv(mixed: torch.Tensor, conv: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode token a row of mixed [B, 3P] (pre-conv q|k|v); conv [S, 3P, W-1] fp32 history
+    rows, advanced in place at rows [B]; positions [B]; w* [P, 1, W] -> post-conv q, k, v [B, P]
+    in mixed's dtype, each contiguous. The math of KimiDeltaAttention._decode's torch ops."""
+    return _decode_conv(mixed, conv, rows, positions, wq, wk, wv)
+
+
+@decode_conv.register_fake
+def _(mixed, conv, rows, positions, wq, wk, wv):
+    b, p = mixed.shape[0], mixed.shape[1] // 3
+    return tuple(mixed.new_empty(b, p) for _ in range(3))
 
 
 # ---- FLA's fused recurrent decode step ----------------------------------------------------------

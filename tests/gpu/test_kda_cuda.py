@@ -131,10 +131,40 @@ def test_fla_decode_kernel_matches_torch_in_fp32(name):
     assert err < 1e-4, f"{name}: recurrent rows differ by {err:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["fla", "torch"])
-def test_decode_step_replays_in_a_cuda_graph(backend):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decode_conv_kernel_step_matches_the_fla_path(name, monkeypatch):
+    """LATENTSERVE_KDA_DECODE_CONV=1: all-decode steps through kda_ops.decode_conv (one kernel for
+    the short convs, its q, k, v to FLA as they are) against the same steps through the torch
+    convs, from the same prefilled rows; a fresh sequence (position 0) on an unwritten row too."""
+    cfg, dtype = CONFIGS[name], torch.bfloat16
+    layer = build_layer(cfg, dtype, seed=7)
+    layer.backend = "fla"
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    ops_state = nan_state(cfg, dtype)
+    with torch.inference_mode():
+        layer(torch.randn(27, cfg.hidden_size, generator=gen, device="cuda").to(dtype),
+              meta_for([(20, 0, 1), (7, 0, 2)]), ops_state)
+        fused_state = KDAState(ops_state.conv.clone(), ops_state.recurrent.clone())
+        for t in range(6):
+            x = torch.randn(3, cfg.hidden_size, generator=gen, device="cuda").to(dtype)
+            meta = meta_for([(1, 20 + t, 1), (1, t, 5), (1, 7 + t, 2)])
+            monkeypatch.setenv("LATENTSERVE_KDA_DECODE_CONV", "0")
+            ref = layer(x, meta, ops_state)
+            monkeypatch.setenv("LATENTSERVE_KDA_DECODE_CONV", "1")
+            got = layer(x, meta, fused_state)
+            err = rel_err(got, ref)
+            assert err < 1e-2, f"{name} decode {t}: kernel vs torch convs relative max abs diff {err:.2e}"
+    for part in ("recurrent", "conv"):
+        err = rel_err(getattr(fused_state, part)[[1, 2, 5]], getattr(ops_state, part)[[1, 2, 5]])
+        assert err < 1e-2, f"{name}: {part} rows differ by {err:.2e}"
+
+
+@pytest.mark.parametrize("backend,conv_kernel", [("fla", "0"), ("fla", "1"), ("torch", "0")])
+def test_decode_step_replays_in_a_cuda_graph(backend, conv_kernel, monkeypatch):
     """Captured once, replayed for other rows, positions and a fresh sequence: the decode step
-    reads nothing from the host lists, and its replays match eager steps."""
+    reads nothing from the host lists, and its replays match eager steps (conv_kernel:
+    LATENTSERVE_KDA_DECODE_CONV, the short convs as one kernel)."""
+    monkeypatch.setenv("LATENTSERVE_KDA_DECODE_CONV", conv_kernel)
     cfg, dtype, b = CONFIGS["k3-bounded"], torch.bfloat16, 4
     layer = build_layer(cfg, dtype, seed=3)
     layer.backend = backend
