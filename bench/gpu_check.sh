@@ -62,12 +62,13 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
-  for conv in 0 1; do  # LATENTSERVE_KDA_DECODE_CONV: the KDA layers' short convs as one kernel
-    LATENTSERVE_KDA_DECODE_CONV=$conv timeout "$(( $(left) / (2 - conv) - 10 ))" python3 bench/gpu.py \
-      --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail --batches 1,8,64 --profile-batches 1,64 \
-      --json "$OUT/k3graphs_conv$conv.json" > "$OUT/k3graphs_conv$conv.log" 2>&1
-    echo "== k3graphs KDA_DECODE_CONV=$conv rc=$?"
-    grep -E "k3-small decode|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs_conv$conv.log" | cut -c1-300 | head -40
+  # on=1: the KDA layers' short convs as one kernel and their five input projections as one launch
+  for on in 0 1; do
+    LATENTSERVE_KDA_DECODE_CONV=$on LATENTSERVE_GEMV_MULTI=$on timeout "$(( $(left) / (2 - on) - 10 ))" \
+      python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail --batches 1,8,64 \
+      --profile-batches 1,64 --json "$OUT/k3graphs_kda$on.json" > "$OUT/k3graphs_kda$on.log" 2>&1
+    echo "== k3graphs KDA_DECODE_CONV=GEMV_MULTI=$on rc=$?"
+    grep -E "k3-small decode|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs_kda$on.log" | cut -c1-300 | head -40
   done
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then

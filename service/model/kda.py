@@ -26,7 +26,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..log import get_logger
 from ..parallel import TPGroup
-from . import kda_ops
+from . import gemv_multi, kda_ops
 from .attn_metadata import AttnMetadata
 from .fusion import fused
 from .kda_ops import fla_available, fla_decode, fla_kda, write_rows
@@ -214,13 +214,34 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         depends on the token count only (prefill_graphs.py captures it). `into`: buffers for the
         first three (`step_buffers`)."""
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
-        mixed = cat_last([self.q_proj(x), self.k_proj(x), self.v_proj(x)], into[0] if into is not None else None)
-        raw_g = self.f_b_proj(self.f_a_proj(x)).view(t, heads, d)
+        one_launch = self._input_projections(x)
+        if one_launch is not None:
+            mixed, gate_in, f_a = one_launch
+            mixed = into[0].copy_(mixed) if into is not None else mixed
+        else:
+            mixed = cat_last([self.q_proj(x), self.k_proj(x), self.v_proj(x)], into[0] if into is not None else None)
+            gate_in = self.g_proj(x) if self.full_rank_gate else self.g_a_proj(x)
+            f_a = self.f_a_proj(x)
+        raw_g = self.f_b_proj(f_a).view(t, heads, d)
         raw_beta = self.b_proj(x)
         if into is not None:
             raw_g, raw_beta = into[1].copy_(raw_g), into[2].copy_(raw_beta)
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = gate_in if self.full_rank_gate else self.g_b_proj(gate_in)
         return (mixed, raw_g, raw_beta), gate
+
+    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """(q|k|v, the output gate or its low-rank input, f_a's output) as views of one GEMV
+        launch over the five weights (gemv_multi, a decode step's rows), or None."""
+        mods = [self.q_proj, self.k_proj, self.v_proj, self.g_proj if self.full_rank_gate else self.g_a_proj,
+                self.f_a_proj]
+        weights = [m.weight for m in mods]
+        if any(m.weight_scale_inv is not None for m in mods) or not gemv_multi.supported(x, weights):
+            return None
+        y = gemv_multi.run(x, weights)
+        if y is None:
+            return None
+        p, g = weights[0].shape[0], weights[3].shape[0]
+        return y[:, :3 * p], y[:, 3 * p:3 * p + g], y[:, 3 * p + g:]
 
     def step_buffers(self, n: int, dtype: torch.dtype, device) -> tuple[tuple, torch.Tensor]:
         """Zeroed buffers for `project`'s attention inputs and `attend`'s output, n rows."""

@@ -131,11 +131,22 @@ def test_fla_decode_kernel_matches_torch_in_fp32(name):
     assert err < 1e-4, f"{name}: recurrent rows differ by {err:.2e}"
 
 
+SWITCHES = {"conv": {"LATENTSERVE_KDA_DECODE_CONV": "1"}, "multi": {"LATENTSERVE_GEMV_MULTI": "1"},
+            "both": {"LATENTSERVE_KDA_DECODE_CONV": "1", "LATENTSERVE_GEMV_MULTI": "1"}}
+
+
+def switch(monkeypatch, on: str | None) -> None:
+    for name in SWITCHES["both"]:
+        monkeypatch.setenv(name, SWITCHES[on].get(name, "0") if on else "0")
+
+
+@pytest.mark.parametrize("on", sorted(SWITCHES))
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_decode_conv_kernel_step_matches_the_fla_path(name, monkeypatch):
-    """LATENTSERVE_KDA_DECODE_CONV=1: all-decode steps through kda_ops.decode_conv (one kernel for
-    the short convs, its q, k, v to FLA as they are) against the same steps through the torch
-    convs, from the same prefilled rows; a fresh sequence (position 0) on an unwritten row too."""
+def test_decode_kernels_match_the_fla_path(name, on, monkeypatch):
+    """All-decode steps with the short convs as one kernel (LATENTSERVE_KDA_DECODE_CONV=1: its q,
+    k, v to FLA as they are) and/or the input projections as one launch (LATENTSERVE_GEMV_MULTI=1)
+    against the same steps without, from the same prefilled rows; a fresh sequence (position 0)
+    on an unwritten row too."""
     cfg, dtype = CONFIGS[name], torch.bfloat16
     layer = build_layer(cfg, dtype, seed=7)
     layer.backend = "fla"
@@ -148,9 +159,9 @@ def test_decode_conv_kernel_step_matches_the_fla_path(name, monkeypatch):
         for t in range(6):
             x = torch.randn(3, cfg.hidden_size, generator=gen, device="cuda").to(dtype)
             meta = meta_for([(1, 20 + t, 1), (1, t, 5), (1, 7 + t, 2)])
-            monkeypatch.setenv("LATENTSERVE_KDA_DECODE_CONV", "0")
+            switch(monkeypatch, None)
             ref = layer(x, meta, ops_state)
-            monkeypatch.setenv("LATENTSERVE_KDA_DECODE_CONV", "1")
+            switch(monkeypatch, on)
             got = layer(x, meta, fused_state)
             err = rel_err(got, ref)
             assert err < 1e-2, f"{name} decode {t}: kernel vs torch convs relative max abs diff {err:.2e}"
@@ -159,12 +170,11 @@ def test_decode_conv_kernel_step_matches_the_fla_path(name, monkeypatch):
         assert err < 1e-2, f"{name}: {part} rows differ by {err:.2e}"
 
 
-@pytest.mark.parametrize("backend,conv_kernel", [("fla", "0"), ("fla", "1"), ("torch", "0")])
-def test_decode_step_replays_in_a_cuda_graph(backend, conv_kernel, monkeypatch):
+@pytest.mark.parametrize("backend,on", [("fla", None), ("fla", "both"), ("torch", None)])
+def test_decode_step_replays_in_a_cuda_graph(backend, on, monkeypatch):
     """Captured once, replayed for other rows, positions and a fresh sequence: the decode step
-    reads nothing from the host lists, and its replays match eager steps (conv_kernel:
-    LATENTSERVE_KDA_DECODE_CONV, the short convs as one kernel)."""
-    monkeypatch.setenv("LATENTSERVE_KDA_DECODE_CONV", conv_kernel)
+    reads nothing from the host lists, and its replays match eager steps (on: SWITCHES)."""
+    switch(monkeypatch, on)
     cfg, dtype, b = CONFIGS["k3-bounded"], torch.bfloat16, 4
     layer = build_layer(cfg, dtype, seed=3)
     layer.backend = backend
