@@ -242,7 +242,7 @@ class MoE(nn.Module):
             self.tail = tail if tail is not None else TailRunner(layer_idx, tp, "off")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = self._norm_weight()
+        norm = self._norm_weight() if self.latent else None
         entry = self._entry(x)
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
