@@ -48,6 +48,14 @@ def run(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor | None:
 
 if triton is not None:
 
+    @triton.jit
+    def _past(local, col, w_ptr, width, w_next, n_next, BLOCK_N: tl.constexpr):
+        """A block index past this segment's cdiv(width, BLOCK_N) blocks moves to the next one."""
+        blocks = tl.cdiv(width, BLOCK_N)
+        if local >= blocks:
+            local, col, w_ptr, width = local - blocks, col + width, w_next, n_next
+        return local, col, w_ptr, width
+
     @triton.jit(do_not_specialize=["M"])
     def _multi_kernel(x_ptr, y_ptr, M, K, stride_x, stride_y, w0, w1, w2, w3, w4, w5, n0, n1, n2, n3, n4, n5,
                       SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -57,20 +65,15 @@ if triton is not None:
         local = tl.program_id(0)
         w_ptr, width, col = w0, n0, 0
         if SEGMENTS > 1:
-            if local >= tl.cdiv(width, BLOCK_N):
-                local, col, w_ptr, width = local - tl.cdiv(width, BLOCK_N), col + width, w1, n1
+            local, col, w_ptr, width = _past(local, col, w_ptr, width, w1, n1, BLOCK_N)
         if SEGMENTS > 2:
-            if local >= tl.cdiv(width, BLOCK_N):
-                local, col, w_ptr, width = local - tl.cdiv(width, BLOCK_N), col + width, w2, n2
+            local, col, w_ptr, width = _past(local, col, w_ptr, width, w2, n2, BLOCK_N)
         if SEGMENTS > 3:
-            if local >= tl.cdiv(width, BLOCK_N):
-                local, col, w_ptr, width = local - tl.cdiv(width, BLOCK_N), col + width, w3, n3
+            local, col, w_ptr, width = _past(local, col, w_ptr, width, w3, n3, BLOCK_N)
         if SEGMENTS > 4:
-            if local >= tl.cdiv(width, BLOCK_N):
-                local, col, w_ptr, width = local - tl.cdiv(width, BLOCK_N), col + width, w4, n4
+            local, col, w_ptr, width = _past(local, col, w_ptr, width, w4, n4, BLOCK_N)
         if SEGMENTS > 5:
-            if local >= tl.cdiv(width, BLOCK_N):
-                local, col, w_ptr, width = local - tl.cdiv(width, BLOCK_N), col + width, w5, n5
+            local, col, w_ptr, width = _past(local, col, w_ptr, width, w5, n5, BLOCK_N)
         n = local * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nmask, mmask = n < width, m < M
