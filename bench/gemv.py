@@ -85,7 +85,7 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
         if m == 1:  # 512-wide K steps: the one-row default before whole-K slices (run 39)
             k512 = gemv.config(m, n, k, sms, max_k=512)
             row["k512_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, k512), ws) * 1e6  # noqa: B023
-        if cfg.get("DOT"):  # the register product these rows ran as before the tensor-core tiles
+        if cfg.get("DOT") and m <= 64:  # the register product these rows ran as before the tensor-core tiles
             product = gemv.config(m, n, k, sms)
             row["product_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, product), ws) * 1e6  # noqa: B023
         if sweep:
