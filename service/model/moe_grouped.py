@@ -272,7 +272,8 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         return torch.empty(0, width_out, dtype=x.dtype if sum_slots else torch.float32, device=x.device)
     cfg = dict(cfg or config(m, top_k, num_experts))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    down = {"BLOCK_N": bn, "BLOCK_K": bk, **cfg, **cfg.pop("down", {})}
+    own = cfg.pop("down", {})
+    down = {"BLOCK_N": bn, "BLOCK_K": bk, **cfg, **own}
     dn, dk = down.pop("BLOCK_N"), down.pop("BLOCK_K")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = weights.contiguous()
