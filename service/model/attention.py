@@ -254,13 +254,13 @@ class MLAAttention(nn.Module):
             # Four kernels (three at one split) where the bmm path took seven (mla_absorb.py):
             # q_latent and q_pe go to the attention kernel as two inputs, its fp32 output to o_proj's rows.
             q_latent = torch.ops.latentserve.mla_absorb_q(q[..., : self.nope], w_uk)
-            if b <= mla_decode.merge_out_max_rows():  # the splits' merge and W_UV in one kernel
-                return mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                             self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:], w_uv=w_uv,
-                                             **new).view(b, self.num_heads, self.v_dim)
-            o_latent = mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                             self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:], **new)
-            return torch.ops.latentserve.mla_absorb_out(o_latent, w_uv).view(b, self.num_heads, self.v_dim)
+            merge_out = b <= mla_decode.merge_out_max_rows()  # the splits' merge and W_UV in one kernel
+            o = mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                      self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:],
+                                      w_uv=w_uv if merge_out else None, **new)
+            if not merge_out:
+                o = torch.ops.latentserve.mla_absorb_out(o, w_uv)
+            return o.view(b, self.num_heads, self.v_dim)
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]
         # [c_kv | k_pe] rows match [q_latent | q_pe]: one matmul scores both parts.
         q_cat = torch.cat([q_latent, q[..., self.nope:]], dim=-1)

@@ -263,7 +263,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
             raise ValueError("without a KDA state cache every chunk must start at position 0")
         use_fla = self._use_fla(mixed)
         if (use_fla and out is None and state is not None and not meta.prefill_chunks
-                and kda_ops.decode_conv_enabled()):
+                and meta.state_slots is not None and kda_ops.decode_conv_enabled()):
             return self._decode_fused(mixed, raw_g, raw_beta, meta, state)
         core = mixed.new_empty(t, heads, d) if out is None else out
         if state is None:
@@ -318,13 +318,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         beta_raw = raw_beta.index_select(0, idx)
 
         if use_fla:
-            b = qkv.shape[0]
-            rec = state.recurrent
-            if rec.dtype != torch.float32 or rec.stride()[1:] != (d * d, d, 1):
-                raise ValueError("FLA's KDA kernels need float32 recurrent rows, contiguous within a row")
-            q, k, v = (part.view(b, heads, d) for part in qkv.view(b, 3, heads * d).unbind(1))
-            o = fla_decode(q, k, v, g_raw.view(b, heads, d), beta_raw.view(b, heads), self.A_log, self.dt_bias,
-                           rec, rows, positions, d ** -0.5, self.lower_bound)
+            o = self._fla_step(*qkv.view(qkv.shape[0], 3, heads * d).unbind(1), g_raw, beta_raw, state, rows, positions)
             core.index_copy_(0, idx, o.to(core.dtype))
             return
 
@@ -341,13 +335,22 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
     def _decode_fused(self, mixed, raw_g, raw_beta, meta: AttnMetadata, state: KDAState) -> torch.Tensor:
         """An all-decode step (token i is sequence i's) on two Triton launches and FLA's: the
         short convs (kda_ops.decode_conv), then the recurrent step on its outputs as they are."""
-        t, heads, d = mixed.shape[0], self.num_heads, self.head_dim
         rows = meta.state_slots
         q, k, v = kda_ops.decode_conv(mixed, state.conv, rows, meta.positions, self.q_conv1d.weight,
                                       self.k_conv1d.weight, self.v_conv1d.weight)
-        return fla_decode(q.view(t, heads, d), k.view(t, heads, d), v.view(t, heads, d), raw_g.view(t, heads, d),
-                          raw_beta.view(t, heads), self.A_log, self.dt_bias, state.recurrent, rows, meta.positions,
-                          d ** -0.5, self.lower_bound)
+        return self._fla_step(q, k, v, raw_g, raw_beta, state, rows, meta.positions)
+
+    def _fla_step(self, q, k, v, g_raw, beta_raw, state: KDAState, rows: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """FLA's recurrent step for one token a row: q, k, v [B, heads * d] post-conv, g_raw [B,
+        heads, d], beta_raw [B, heads] -> o [B, heads, d], the rows' recurrent state advanced."""
+        b, heads, d = q.shape[0], self.num_heads, self.head_dim
+        rec = state.recurrent
+        if rec.dtype != torch.float32 or rec.stride()[1:] != (d * d, d, 1):
+            raise ValueError("FLA's KDA kernels need float32 recurrent rows, contiguous within a row")
+        return fla_decode(q.view(b, heads, d), k.view(b, heads, d), v.view(b, heads, d), g_raw.view(b, heads, d),
+                          beta_raw.view(b, heads), self.A_log, self.dt_bias, rec, rows, positions, d ** -0.5,
+                          self.lower_bound)
 
     # ---- prefill chunks: per sequence, from the row's state -----------------------------------
     def _prefill(self, chunks: list[int], mixed, raw_g, raw_beta, meta: AttnMetadata, state: KDAState | None,

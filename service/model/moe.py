@@ -247,10 +247,10 @@ class MoE(nn.Module):
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
             weights, ids = self.gate.select(logits)
-            out = self._slots_tail(latent, weights, ids, h)
+            out = self._slots_tail(latent, weights, ids, h, norm)
             if out is not None:
                 return out
-            routed_partial = self._normed_routed(latent, weights, ids)
+            routed_partial = self._normed_routed(latent, weights, ids, norm)
             if routed_partial is not None:  # normed already
                 norm = None
             else:
@@ -286,11 +286,11 @@ class MoE(nn.Module):
             return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight)
         return gemv.run(torch.ops.latentserve.gemv_pair, latent_norm(routed, norm, self.eps), up, h, down.weight)
 
-    def _normed_routed(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    def _normed_routed(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       norm: torch.Tensor | None) -> torch.Tensor | None:
         """TP 1 from two rows (LATENTSERVE_MOE_SLOT_NORM=1, not yet timed): the experts' outputs
-        summed and latent-normed in one kernel (moe_slot_sum_norm), where the norm was a kernel of
-        its own before the paired GEMV (one row keeps the pair norm); else None."""
-        norm = self._norm_weight()
+        summed and latent-normed (weight `norm`) in one kernel (moe_slot_sum_norm), where the norm
+        was a kernel of its own before the paired GEMV (one row keeps the pair norm); else None."""
         if not (moe_kernels.slot_norm_enabled() and self.tp.world_size == 1 and norm is not None
                 and latent.shape[0] > gemv.pair_norm_max_rows()):
             return None
@@ -298,13 +298,13 @@ class MoE(nn.Module):
         return None if parts is None else moe_kernels.call(torch.ops.latentserve.moe_slot_sum_norm, parts,
                                                            ids.shape[1], norm, self.eps)
 
-    def _slots_tail(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    h: torch.Tensor) -> torch.Tensor | None:
+    def _slots_tail(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, h: torch.Tensor,
+                    norm: torch.Tensor | None) -> torch.Tensor | None:
         """`_one_rank_tail` from the experts' unsummed outputs (LATENTSERVE_GEMV_PAIR_SLOTS=1, not
         yet timed): the slot sum, the latent norm, the up-projection and the shared down-projection
         in one launch, where the slot sum was a kernel of its own (1.7 us a layer at batch 1 without
         PDL, run 45). One row, where the pair norm runs; else None."""
-        down, up, norm = self.shared_experts.down_proj, self.routed_expert_up_proj.weight, self._norm_weight()
+        down, up = self.shared_experts.down_proj, self.routed_expert_up_proj.weight
         if not (gemv.pair_slots_enabled() and self.tp.world_size == 1 and norm is not None and latent.shape[0] == 1
                 and gemv.pair_norm_max_rows() >= 1 and getattr(down, "weight_scale_inv", None) is None
                 and gemv.pair_supported(latent, up, h, down.weight)):
