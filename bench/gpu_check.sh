@@ -62,13 +62,17 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
-  # on=1: the KDA layers' short convs as one kernel and their five input projections as one launch
-  for on in 0 1; do
-    LATENTSERVE_KDA_DECODE_CONV=$on LATENTSERVE_GEMV_MULTI=$on timeout "$(( $(left) / (2 - on) - 10 ))" \
+  # CONV MULTI STEP: none; the short convs as one kernel before FLA's step and the six input
+  # projections as one launch; the whole step (convs to the gated norm) as one kernel, no FLA
+  runs=("0 0 0" "1 1 0" "0 1 1"); n=${#runs[@]}
+  for i in "${!runs[@]}"; do
+    read -r conv multi step <<< "${runs[$i]}"; tag="kda_c${conv}m${multi}s${step}"
+    LATENTSERVE_KDA_DECODE_CONV=$conv LATENTSERVE_GEMV_MULTI=$multi LATENTSERVE_KDA_DECODE_STEP=$step \
+      timeout "$(( $(left) / (n - i) - 10 ))" \
       python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail --batches 1,8,64 \
-      --profile-batches 1,64 --json "$OUT/k3graphs_kda$on.json" > "$OUT/k3graphs_kda$on.log" 2>&1
-    echo "== k3graphs KDA_DECODE_CONV=GEMV_MULTI=$on rc=$?"
-    grep -E "k3-small decode|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs_kda$on.log" | cut -c1-300 | head -40
+      --profile-batches 1,64 --json "$OUT/k3graphs_$tag.json" > "$OUT/k3graphs_$tag.log" 2>&1
+    echo "== k3graphs $tag rc=$?"
+    grep -E "k3-small decode|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs_$tag.log" | cut -c1-300 | head -40
   done
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -77,6 +81,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   group kernels 300 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \
     tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py \
     tests/gpu/test_mla_absorb.py tests/gpu/test_mla_decode_kernel.py
+  group kda 200 tests/gpu/test_kda_decode_step.py tests/gpu/test_kda_decode_conv.py tests/gpu/test_gemv_multi.py \
+    tests/gpu/test_kda_cuda.py
   group fp8 150 tests/gpu/test_fp8.py
   group comm 60 tests/gpu/test_device_comm.py
   group tp 150 tests/gpu/test_tp_graphs.py

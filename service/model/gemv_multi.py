@@ -1,8 +1,8 @@
 """Projections of the same rows as one GEMV launch: y = x @ [W_0; W_1; ...]^T, each weight where
 it is, no concatenated copy of them.
 
-A KDA layer reads its input through five projections (q, k, v, the output gate or its low-rank
-half, the forget gate's low-rank half): five launches and a cat of q|k|v in a decode step, each
+A KDA layer reads its input through six projections (q, k, v, the output gate or its low-rank
+half, the forget gate's low-rank half, beta): six launches and a cat of q|k|v in a decode step, each
 launch a few microseconds of fixed cost for ~2 MB of weights (bench/notes/batch1-launch-floor.md).
 Their weights are separate parameters with their own TP sharding (q/k/v/g by head, f_a
 replicated), so one fused parameter cannot hold them; one launch can: its programs are split

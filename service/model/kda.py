@@ -26,7 +26,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..log import get_logger
 from ..parallel import TPGroup
-from . import gemv_multi, kda_ops
+from . import gemv_multi, kda_ops, kda_step
 from .attn_metadata import AttnMetadata
 from .fusion import fused
 from .kda_ops import fla_available, fla_decode, fla_kda, write_rows
@@ -206,6 +206,8 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> torch.Tensor:
         inputs, gate = self.project(x)
+        if self._one_step_kernel(inputs[0], meta, state):
+            return self.o_proj(self._decode_step(*inputs, gate, meta, state))
         return self.output(self.attend(*inputs, meta, state), gate)
 
     def project(self, x: torch.Tensor, into: tuple | None = None) -> tuple[tuple, torch.Tensor]:
@@ -216,32 +218,32 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
         one_launch = self._input_projections(x)
         if one_launch is not None:
-            mixed, gate_in, f_a = one_launch
+            mixed, gate_in, f_a, raw_beta = one_launch
             mixed = into[0].copy_(mixed) if into is not None else mixed
         else:
             mixed = cat_last([self.q_proj(x), self.k_proj(x), self.v_proj(x)], into[0] if into is not None else None)
             gate_in = self.g_proj(x) if self.full_rank_gate else self.g_a_proj(x)
             f_a = self.f_a_proj(x)
+            raw_beta = self.b_proj(x)
         raw_g = self.f_b_proj(f_a).view(t, heads, d)
-        raw_beta = self.b_proj(x)
         if into is not None:
             raw_g, raw_beta = into[1].copy_(raw_g), into[2].copy_(raw_beta)
         gate = gate_in if self.full_rank_gate else self.g_b_proj(gate_in)
         return (mixed, raw_g, raw_beta), gate
 
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """(q|k|v, the output gate or its low-rank input, f_a's output) as views of one GEMV
-        launch over the five weights (gemv_multi, a decode step's rows), or None."""
+        """(q|k|v, the output gate or its low-rank input, f_a's output, raw beta) as views of one
+        GEMV launch over the six weights (gemv_multi, a decode step's rows), or None."""
         mods = [self.q_proj, self.k_proj, self.v_proj, self.g_proj if self.full_rank_gate else self.g_a_proj,
-                self.f_a_proj]
+                self.f_a_proj, self.b_proj]
         weights = [m.weight for m in mods]
         if any(m.weight_scale_inv is not None for m in mods) or not gemv_multi.supported(x, weights):
             return None
         y = gemv_multi.run(x, weights)
         if y is None:
             return None
-        p, g = weights[0].shape[0], weights[3].shape[0]
-        return y[:, :3 * p], y[:, 3 * p:3 * p + g], y[:, 3 * p + g:]
+        p, g, f = weights[0].shape[0], weights[3].shape[0], weights[4].shape[0]
+        return y[:, :3 * p], y[:, 3 * p:3 * p + g], y[:, 3 * p + g:3 * p + g + f], y[:, 3 * p + g + f:]
 
     def step_buffers(self, n: int, dtype: torch.dtype, device) -> tuple[tuple, torch.Tensor]:
         """Zeroed buffers for `project`'s attention inputs and `attend`'s output, n rows."""
@@ -339,6 +341,20 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         q, k, v = kda_ops.decode_conv(mixed, state.conv, rows, meta.positions, self.q_conv1d.weight,
                                       self.k_conv1d.weight, self.v_conv1d.weight)
         return self._fla_step(q, k, v, raw_g, raw_beta, state, rows, meta.positions)
+
+    def _one_step_kernel(self, mixed: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> bool:
+        """An all-decode step (token i is sequence i's) runs as kda_step's one kernel, from the
+        projections to o_proj's input (LATENTSERVE_KDA_DECODE_STEP=1; never on the torch backend)."""
+        return (self.backend != "torch" and state is not None and not meta.prefill_chunks
+                and meta.state_slots is not None and kda_step.enabled()
+                and kda_step.supported(mixed, state.recurrent, self.head_dim))
+
+    def _decode_step(self, mixed, raw_g, raw_beta, gate, meta: AttnMetadata, state: KDAState) -> torch.Tensor:
+        t = mixed.shape[0]
+        return kda_step.decode_step(mixed, state.conv, self.q_conv1d.weight, self.k_conv1d.weight,
+                                    self.v_conv1d.weight, raw_g.view(t, -1), raw_beta, gate.view(t, -1), self.A_log,
+                                    self.dt_bias, self.o_norm.weight, state.recurrent, meta.state_slots,
+                                    meta.positions, self.head_dim ** -0.5, self.lower_bound, self.o_norm.eps)
 
     def _fla_step(self, q, k, v, g_raw, beta_raw, state: KDAState, rows: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:

@@ -131,12 +131,13 @@ def test_fla_decode_kernel_matches_torch_in_fp32(name):
     assert err < 1e-4, f"{name}: recurrent rows differ by {err:.2e}"
 
 
-SWITCHES = {"conv": {"LATENTSERVE_KDA_DECODE_CONV": "1"}, "multi": {"LATENTSERVE_GEMV_MULTI": "1"},
-            "both": {"LATENTSERVE_KDA_DECODE_CONV": "1", "LATENTSERVE_GEMV_MULTI": "1"}}
+CONV, MULTI, STEP = "LATENTSERVE_KDA_DECODE_CONV", "LATENTSERVE_GEMV_MULTI", "LATENTSERVE_KDA_DECODE_STEP"
+SWITCHES = {"conv": {CONV: "1"}, "multi": {MULTI: "1"}, "both": {CONV: "1", MULTI: "1"}, "step": {STEP: "1"},
+            "step_multi": {STEP: "1", MULTI: "1"}}
 
 
 def switch(monkeypatch, on: str | None) -> None:
-    for name in SWITCHES["both"]:
+    for name in (CONV, MULTI, STEP):
         monkeypatch.setenv(name, SWITCHES[on].get(name, "0") if on else "0")
 
 
@@ -144,9 +145,9 @@ def switch(monkeypatch, on: str | None) -> None:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_decode_kernels_match_the_fla_path(name, on, monkeypatch):
     """All-decode steps with the short convs as one kernel (LATENTSERVE_KDA_DECODE_CONV=1: its q,
-    k, v to FLA as they are) and/or the input projections as one launch (LATENTSERVE_GEMV_MULTI=1)
-    against the same steps without, from the same prefilled rows; a fresh sequence (position 0)
-    on an unwritten row too."""
+    k, v to FLA as they are), or the whole step as one (LATENTSERVE_KDA_DECODE_STEP=1, no FLA),
+    and/or the input projections as one launch (LATENTSERVE_GEMV_MULTI=1) against the same steps
+    without, from the same prefilled rows; a fresh sequence (position 0) on an unwritten row too."""
     cfg, dtype = CONFIGS[name], torch.bfloat16
     layer = build_layer(cfg, dtype, seed=7)
     layer.backend = "fla"
@@ -170,7 +171,7 @@ def test_decode_kernels_match_the_fla_path(name, on, monkeypatch):
         assert err < 1e-2, f"{name}: {part} rows differ by {err:.2e}"
 
 
-@pytest.mark.parametrize("backend,on", [("fla", None), ("fla", "both"), ("torch", None)])
+@pytest.mark.parametrize("backend,on", [("fla", None), ("fla", "both"), ("fla", "step_multi"), ("torch", None)])
 def test_decode_step_replays_in_a_cuda_graph(backend, on, monkeypatch):
     """Captured once, replayed for other rows, positions and a fresh sequence: the decode step
     reads nothing from the host lists, and its replays match eager steps (on: SWITCHES)."""

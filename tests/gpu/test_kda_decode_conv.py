@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from kda_reference import conv_step
 from kernel_env import DEVICE, kernel_marks, require_kernel_device
 
 require_kernel_device()
@@ -15,15 +15,6 @@ require_kernel_device()
 from service.model import kda_ops  # noqa: E402, F401 - registers latentserve::kda_decode_conv
 
 pytestmark = kernel_marks(120)
-
-
-def reference(mixed, conv, rows, positions, ws):
-    """KimiDeltaAttention._decode's conv, as torch ops: (q|k|v [B, 3P], the new history rows)."""
-    hist = conv.index_select(0, rows)
-    hist = torch.where((positions == 0).view(-1, 1, 1), torch.zeros((), dtype=hist.dtype, device=hist.device), hist)
-    window = torch.cat([hist, mixed.unsqueeze(-1).to(hist.dtype)], dim=-1)
-    w = torch.cat(ws, dim=0).view(-1, ws[0].shape[-1])
-    return F.silu((window.float() * w.float()).sum(-1)).to(mixed.dtype), window[..., 1:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,7 +28,7 @@ def test_decode_conv_matches_the_torch_ops(dtype, p, width):
     positions = torch.tensor([0, 5, 1, 0, 40])
     mixed = torch.randn(b, 3 * p, generator=g).to(dtype)
     ws = [(0.6 * torch.randn(p, 1, width, generator=g)).to(dtype) for _ in range(3)]
-    ref_qkv, ref_hist = reference(mixed, conv, rows, positions, ws)
+    ref_qkv, ref_hist = conv_step(mixed, conv, rows, positions, ws)
 
     conv_dev = conv.to(DEVICE)
     q, k, v = torch.ops.latentserve.kda_decode_conv(mixed.to(DEVICE), conv_dev, rows.to(DEVICE),

@@ -1,0 +1,191 @@
+"""A KDA layer's whole all-decode step, from its projections to o_proj's input, as one kernel.
+
+Between the input projections and o_proj an all-decode step ran five kernels a KDA layer: the
+short convs (`kda_ops.decode_conv`, or the compiled layer's gather/cat/write/conv), the zeroing of
+fresh sequences' rows, FLA's `torch.zeros_like` for its output, FLA's fused recurrent step and
+the gated RMS norm (Inductor). Each costs a few microseconds of fixed latency whatever it reads
+(bench/notes/batch1-launch-floor.md), and Kimi-K3 has three KDA layers to every MLA one.
+
+Here one program owns (sequence, head): the head's three conv windows (history rows shifted in
+place), SiLU, the l2 norms, the gate and beta, the delta-rule update of its [D, D] state row in
+place, the output rounded to the model dtype (as FLA's output is), its RMS norm over the head's D
+values times sigmoid(output gate), all in fp32 as `kda.py`'s torch path computes them. A
+sequence at position 0 reads zeros for its history and state (its rows may hold anything).
+
+The state row's first block is requested before the PDL wait: only this layer's own step kernel
+writes the row in a decode step, and
+a kernel that starts early under PDL does so once the one before it has passed its own wait, so
+every kernel two or more back (this layer's previous step among them) has completed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: kda.py's torch path runs
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Value columns a step of the state loop: FLA's fused recurrent kernel's block (a [128, 32] fp32
+# tile on 4 warps, 32 values a thread). The whole [128, 128] row at once took 16 warps to fit in
+# registers and 2.2x FLA's instructions a head (sm_90 PTX): cross-warp sums of 128-wide vectors.
+BV = 32
+
+
+def enabled() -> bool:
+    """LATENTSERVE_KDA_DECODE_STEP=1 (not yet timed on a GPU: `bench/gpu_check.sh k3` times it)."""
+    return os.environ.get("LATENTSERVE_KDA_DECODE_STEP", "0") == "1"
+
+
+def supported(mixed: torch.Tensor, recurrent: torch.Tensor, head_dim: int) -> bool:
+    """Triton on CUDA (or the interpreter), a power-of-two head width the [D, D] tile can hold,
+    float32 state rows contiguous within a row."""
+    if triton is None or not (mixed.is_cuda or INTERPRET):
+        return False
+    d = head_dim
+    return (16 <= d <= 128 and d & (d - 1) == 0 and recurrent.dtype == torch.float32
+            and recurrent.stride()[1:] == (d * d, d, 1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv(mixed_ptr, conv_ptr, w_ptr, t, row, kept, ch, c, stride_m, stride_cs, stride_cc, stride_w,
+              W: tl.constexpr, W_PAD: tl.constexpr):
+        """Channels ch (weight rows c) of token t: silu(window . w) rounded to the input's dtype,
+        as fp32, and (address, values) of the row's history shifted by one, stored by the caller
+        after a barrier (lanes read taps that others write)."""
+        j = tl.arange(0, W_PAD)
+        hist = conv_ptr + row * stride_cs + ch[:, None].to(tl.int64) * stride_cc + j[None, :]
+        window = tl.load(hist, mask=(j < W - 1)[None, :] & kept, other=0.0)
+        shifted = tl.load(hist + 1, mask=(j < W - 2)[None, :] & kept, other=0.0)
+        x = tl.load(mixed_ptr + t * stride_m + ch)
+        xf = x.to(tl.float32)
+        window = tl.where((j == W - 1)[None, :], xf[:, None], window)
+        shifted = tl.where((j == W - 2)[None, :], xf[:, None], shifted)
+        w = tl.load(w_ptr + c[:, None] * stride_w + j[None, :], mask=(j < W)[None, :], other=0.0)
+        acc = tl.sum(window * w.to(tl.float32), 1)
+        return (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32), hist, shifted
+
+    @triton.jit
+    def _l2_normed(x):
+        return x / tl.sqrt(tl.sum(x * x, 0) + 1e-6)
+
+    @triton.jit
+    def _softplus(z):
+        """torch's softplus (linear above 20) to fp32 accuracy: log(1 + y) loses y's low digits
+        when y = exp(z) is small (dt_bias puts z near -7..-2), so a series below 1e-2."""
+        y = tl.exp(tl.minimum(z, 20.0))
+        series = y * (1.0 - y * (0.5 - y * (1.0 / 3.0 - 0.25 * y)))
+        return tl.where(z > 20.0, z, tl.where(y < 1e-2, series, tl.log(1.0 + y)))
+
+    @triton.jit
+    def _step_kernel(mixed_ptr, conv_ptr, wq_ptr, wk_ptr, wv_ptr, g_ptr, beta_ptr, gate_ptr, a_log_ptr, dt_bias_ptr,
+                     norm_w_ptr, rec_ptr, rows_ptr, pos_ptr, out_ptr, P, stride_m, stride_cs, stride_cc, stride_w,
+                     stride_g, stride_beta, stride_gate, stride_rs, stride_out, scale, lower_bound, eps,
+                     D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
+                     BOUNDED: tl.constexpr, PDL: tl.constexpr):
+        """The head's state [key, value] in blocks of BV value columns, each column independent of
+        the others: the next block is requested before this one is worked on. The outputs go to
+        o_proj's row rounded, then the row is read back, normed and gated."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, D)
+        cb = tl.arange(0, BV)
+        row = tl.load(rows_ptr + t).to(tl.int64)
+        kept = tl.load(pos_ptr + t) != 0
+        head_state = rec_ptr + row * stride_rs + h * (D * D)
+        s_next = tl.load(head_state + d[:, None] * D + cb[None, :], mask=(d[:, None] < D) & kept, other=0.0)
+        a = tl.exp(tl.load(a_log_ptr + h))
+        bias = tl.load(dt_bias_ptr + h * D + d)
+        pdl.enter(PDL)
+
+        c = h * D + d
+        q, q_hist, q_shifted = _conv(mixed_ptr, conv_ptr, wq_ptr, t, row, kept, c, c, stride_m, stride_cs,
+                                     stride_cc, stride_w, W, W_PAD)
+        k, k_hist, k_shifted = _conv(mixed_ptr, conv_ptr, wk_ptr, t, row, kept, P + c, c, stride_m, stride_cs,
+                                     stride_cc, stride_w, W, W_PAD)
+        tl.debug_barrier()
+        taps = (tl.arange(0, W_PAD) < W - 1)[None, :]
+        tl.store(q_hist, q_shifted, mask=taps)
+        tl.store(k_hist, k_shifted, mask=taps)
+        q = _l2_normed(q) * scale
+        k = _l2_normed(k)
+        z = tl.load(g_ptr + t * stride_g + c).to(tl.float32) + bias
+        if BOUNDED:
+            decay = tl.exp(lower_bound * tl.sigmoid(a * z))
+        else:
+            decay = tl.exp(-a * _softplus(z))
+        beta = tl.sigmoid(tl.load(beta_ptr + t * stride_beta + h).to(tl.float32))
+
+        out_row = out_ptr + t * stride_out + h * D
+        squares = 0.0
+        for v0 in range(0, D, BV):
+            cv = v0 + cb
+            state = s_next
+            s_next = tl.load(head_state + d[:, None] * D + (cv + BV)[None, :],
+                             mask=((cv + BV) < D)[None, :] & kept, other=0.0)
+            v, v_hist, v_shifted = _conv(mixed_ptr, conv_ptr, wv_ptr, t, row, kept, 2 * P + h * D + cv, h * D + cv,
+                                         stride_m, stride_cs, stride_cc, stride_w, W, W_PAD)
+            tl.debug_barrier()
+            tl.store(v_hist, v_shifted, mask=taps)
+            state = state * decay[:, None]
+            u = beta * (v - tl.sum(state * k[:, None], 0))
+            state = state + k[:, None] * u[None, :]
+            tl.store(head_state + d[:, None] * D + cv[None, :], state)
+            o = tl.sum(state * q[:, None], 0).to(out_ptr.dtype.element_ty)  # the model-dtype output the norm reads
+            tl.store(out_row + cv, o)
+            squares += tl.sum(o.to(tl.float32) * o.to(tl.float32), 0)
+
+        tl.debug_barrier()  # the row's blocks, stored by other threads
+        o = tl.load(out_row + d).to(tl.float32)
+        o = o * tl.rsqrt(squares / D + eps) * tl.load(norm_w_ptr + d).to(tl.float32)
+        gate = tl.load(gate_ptr + t * stride_gate + c).to(tl.float32)
+        tl.store(out_row + d, (o * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+
+
+def _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions,
+          scale, lower_bound, eps):
+    b, p = mixed.shape[0], mixed.shape[1] // 3
+    heads, d = recurrent.shape[1], recurrent.shape[-1]
+    out = mixed.new_empty(b, p)
+    if b == 0:
+        return out
+    if (heads * d != p or raw_g.shape != (b, p) or raw_beta.shape != (b, heads) or gate.shape != (b, p)
+            or any(t.stride(-1) != 1 for t in (mixed, raw_g, raw_beta, gate)) or conv.stride(-1) != 1):
+        raise ValueError(f"KDA decode step: mixed {tuple(mixed.shape)}, raw_g {tuple(raw_g.shape)}, raw_beta "
+                         f"{tuple(raw_beta.shape)}, gate {tuple(gate.shape)} do not fit {heads} heads of {d}")
+    width = wq.shape[-1]
+    _step_kernel[(b, heads)](
+        mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions, out,
+        p, mixed.stride(0), conv.stride(0), conv.stride(1), wq.stride(0), raw_g.stride(0), raw_beta.stride(0),
+        gate.stride(0), recurrent.stride(0), out.stride(0), scale, lower_bound if lower_bound is not None else 0.0,
+        eps, D=d, BV=min(d, BV), W=width, W_PAD=triton.next_power_of_2(width), BOUNDED=lower_bound is not None,
+        num_warps=4, **pdl.launch(mixed.device))
+    return out
+
+
+@torch.library.custom_op("latentserve::kda_decode_step", mutates_args=("conv", "recurrent"))
+def decode_step(mixed: torch.Tensor, conv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+                raw_g: torch.Tensor, raw_beta: torch.Tensor, gate: torch.Tensor, a_log: torch.Tensor,
+                dt_bias: torch.Tensor, norm_weight: torch.Tensor, recurrent: torch.Tensor, rows: torch.Tensor,
+                positions: torch.Tensor, scale: float, lower_bound: float | None, eps: float) -> torch.Tensor:
+    """One decode token a row: mixed [B, 3P] pre-conv q|k|v, raw_g [B, P] (f_b's output), raw_beta
+    [B, H], gate [B, P] (the output gate's projection); conv [S, 3P, W-1] and recurrent [S, H, D, D]
+    fp32 rows advanced in place at rows [B]; positions [B] (0: a fresh sequence); w* [P, 1, W];
+    a_log [H], dt_bias [P] fp32; norm_weight [D] -> o_proj's input [B, P] in mixed's dtype."""
+    return _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows,
+                 positions, scale, lower_bound, eps)
+
+
+@decode_step.register_fake
+def _(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions,
+      scale, lower_bound, eps):
+    return mixed.new_empty(mixed.shape[0], mixed.shape[1] // 3)
