@@ -13,9 +13,9 @@ values times sigmoid(output gate), all in fp32 as `kda.py`'s torch path computes
 sequence at position 0 reads zeros for its history and state (its rows may hold anything).
 
 The state row's first block is requested before the PDL wait: only this layer's own step kernel
-writes the row in a decode step, and
-a kernel that starts early under PDL does so once the one before it has passed its own wait, so
-every kernel two or more back (this layer's previous step among them) has completed.
+writes the row in a decode step, and a kernel that starts early under PDL does so once the one
+before it has passed its own wait, so every kernel two or more back (this layer's previous step
+among them) has completed.
 """
 
 from __future__ import annotations
