@@ -62,13 +62,16 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
-  # CONV MULTI STEP: none; the short convs as one kernel before FLA's step and the six input
-  # projections as one launch; the whole step (convs to the gated norm) as one kernel, no FLA
-  runs=("0 0 0" "1 1 0" "0 1 1"); n=${#runs[@]}
+  # The KDA candidates, most telling first: none; the whole KDA step as one kernel (no FLA), the
+  # six input projections as one launch and the attention-residual mixes as one kernel each;
+  # the same without the mix kernel; the short convs alone as one kernel before FLA's step.
+  runs=("none:" "step_multi_mix:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1 LATENTSERVE_ATTN_RES_KERNEL=1"
+        "step_multi:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1"
+        "conv_multi:LATENTSERVE_KDA_DECODE_CONV=1 LATENTSERVE_GEMV_MULTI=1"); n=${#runs[@]}
   for i in "${!runs[@]}"; do
-    read -r conv multi step <<< "${runs[$i]}"; tag="kda_c${conv}m${multi}s${step}"
-    LATENTSERVE_KDA_DECODE_CONV=$conv LATENTSERVE_GEMV_MULTI=$multi LATENTSERVE_KDA_DECODE_STEP=$step \
-      timeout "$(( $(left) / (n - i) - 10 ))" \
+    tag=${runs[$i]%%:*}
+    # shellcheck disable=SC2086 # the env assignments split on purpose
+    env ${runs[$i]#*:} timeout "$(( $(left) / (n - i) - 10 ))" \
       python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail --batches 1,8,64 \
       --profile-batches 1,64 --json "$OUT/k3graphs_$tag.json" > "$OUT/k3graphs_$tag.log" 2>&1
     echo "== k3graphs $tag rc=$?"
@@ -82,7 +85,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py \
     tests/gpu/test_mla_absorb.py tests/gpu/test_mla_decode_kernel.py
   group kda 200 tests/gpu/test_kda_decode_step.py tests/gpu/test_kda_decode_conv.py tests/gpu/test_gemv_multi.py \
-    tests/gpu/test_kda_cuda.py
+    tests/gpu/test_kda_cuda.py tests/gpu/test_attn_res_kernel.py
   group fp8 150 tests/gpu/test_fp8.py
   group comm 60 tests/gpu/test_device_comm.py
   group tp 150 tests/gpu/test_tp_graphs.py

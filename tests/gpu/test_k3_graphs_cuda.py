@@ -74,8 +74,16 @@ def spy_replays(g) -> list[tuple[int, int, int]]:
     return seen
 
 
+# The opt-in decode kernels (not yet timed): the KDA step as one kernel, the KDA input projections
+# as one launch, the attention-residual mixes as one kernel each.
+CANDIDATES = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1", "LATENTSERVE_ATTN_RES_KERNEL": "1"}
+
+
+@pytest.mark.parametrize("candidates", [False, True], ids=["defaults", "candidates"])
 @pytest.mark.parametrize("dtype,floor,max_noise", [("float32", 1e-3, 1e-3), ("bfloat16", 1e-2, 0.5)])
-def test_k3_greedy_in_graphs_matches_eager(eager_fp32, dtype, floor, max_noise):
+def test_k3_greedy_in_graphs_matches_eager(eager_fp32, dtype, floor, max_noise, candidates, monkeypatch):
+    for name, value in CANDIDATES.items():
+        monkeypatch.setenv(name, value if candidates else "0")
     llm = make_llm(dtype)
     try:
         g = graphs(llm)
