@@ -409,6 +409,8 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "select_lean": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1"},
              # Candidate, not yet timed: from two rows the latent norm inside the experts' slot-sum kernel.
              "slot_norm": {"LATENTSERVE_MOE_SLOT_NORM": "1"},
+             # Candidate, not yet timed: q's rope inside the MLA decode kernel in decode-only steps.
+             "rope_in_decode": {"LATENTSERVE_MLA_ROPE_IN_DECODE": "1"},
              # Both candidates of 2026-12-04's last session at once.
              "candidates_b1": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "8"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).

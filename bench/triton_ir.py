@@ -33,7 +33,8 @@ from service.model import mla_decode  # noqa: E402
 
 REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 POINTERS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "ctx_ptr": "*i64",
-            "o_ptr": "*fp32", "lse_ptr": "*fp32", "new_ptr": "*bf16", "new_slot_ptr": "*i64"}
+            "o_ptr": "*fp32", "lse_ptr": "*fp32", "new_ptr": "*bf16", "new_slot_ptr": "*i64", "cos_ptr": "*fp32",
+            "sin_ptr": "*fp32"}
 UNSPECIALIZED = ("stride_bt", "scale")  # do_not_specialize, and a float
 
 
@@ -41,7 +42,7 @@ def compile_split(block_n: int, warps: int, stages: int, write_kv: bool, prefetc
     fn = mla_decode._mla_decode_split
     names = fn.arg_names
     consts = dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=1,
-                  WRITE_KV=write_kv, IEEE=False, PDL=True, PREFETCH_BT=prefetch)
+                  WRITE_KV=write_kv, IEEE=False, PDL=True, PREFETCH_BT=prefetch, ROPE=0)
     sig = {n: "constexpr" if n in consts else "fp32" if n == "scale" else POINTERS.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and n not in UNSPECIALIZED}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,

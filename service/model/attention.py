@@ -99,16 +99,25 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
-        inputs, gate = self.project(x, cos, sin)
-        return self.output(self.attend(*inputs, meta, kv_cache), gate)
+        rope = (cos, sin, self.interleave) if self._rope_in_decode(x, meta, kv_cache) else None
+        inputs, gate = self.project(x, cos, sin, rope_q=rope is None)
+        return self.output(self.attend(*inputs, meta, kv_cache, rope=rope), gate)
+
+    def _rope_in_decode(self, x: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor | None) -> bool:
+        """A decode-only step on the absorbed kernels ropes q_pe inside the MLA decode kernel, where
+        it loads it: no rope-and-cat kernel over q (LATENTSERVE_MLA_ROPE_IN_DECODE=1, opt-in until
+        bench/gpu.py's `rope_in_decode` times it)."""
+        return (self.use_rope and os.environ.get("LATENTSERVE_MLA_ROPE_IN_DECODE", "0") == "1"
+                and kv_cache is not None and not meta.prefill_chunks and meta.decode_context_lens is not None
+                and mla_absorb.supported(x, self.kv_b_proj.weight) and mla_decode.supported(x, kv_cache, self.kv_lora_rank))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                into: tuple[torch.Tensor, torch.Tensor] | None = None
+                into: tuple[torch.Tensor, torch.Tensor] | None = None, rope_q: bool = True
                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """x [T, H] -> ((q [T, heads, qk], latent [T, kv_cache_dim] as the cache holds it), Kimi's
         output gate [T, heads * v] or None): the per-token part before attention, which depends on
         the token count only (prefill_graphs.py captures it). `into`: buffers for q and latent
-        (`step_buffers`)."""
+        (`step_buffers`). rope_q=False leaves q's rope part unroped (`_rope_in_decode`)."""
         q_out, latent_out = into if into is not None else (None, None)
         t = x.shape[0]
         if self.q_lora_rank:
@@ -119,9 +128,10 @@ class MLAAttention(nn.Module):
             c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         q = q.view(t, self.num_heads, self.qk_dim)
         if self.use_rope:
-            q = cat_last([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], q_out)
+            if rope_q:
+                q = cat_last([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)], q_out)
             k_pe = apply_rope(k_pe, cos, sin, self.interleave)
-        elif q_out is not None:
+        if q_out is not None and not (self.use_rope and rope_q):
             q = q_out.copy_(q)
         latent = cat_last([self.kv_a_layernorm(c_kv), k_pe], latent_out)
         gate = self.g_proj(x).sigmoid() if self.g_proj is not None else None
@@ -141,10 +151,11 @@ class MLAAttention(nn.Module):
         return self.o_proj(out)
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor | None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
         """The step's attention proper: q [T, heads, qk] over the cached context and this step's
         latents (written to the cache here) -> [T, heads, v], into `out` when given. It depends on
-        the chunks' lengths and positions, so it always runs eagerly."""
+        the chunks' lengths and positions, so it always runs eagerly. rope (cos, sin, interleave):
+        q's rope part is still to be roped (a decode-only step: `_rope_in_decode`)."""
         t = q.shape[0]
         given = out is not None
         if out is None:
@@ -164,7 +175,7 @@ class MLAAttention(nn.Module):
         if not writes:
             write_kv(kv_cache, meta.slot_mapping, latent)
         if not meta.prefill_chunks:  # decodes only (token i is decode i): no gather, no scatter
-            decoded = self._absorbed_decode(q, kv_cache, meta, latent if writes else None)
+            decoded = self._absorbed_decode(q, kv_cache, meta, latent if writes else None, rope)
             return out.copy_(decoded) if given else decoded
         if meta.decode_token_idx.numel():
             out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
@@ -242,9 +253,10 @@ class MLAAttention(nn.Module):
                 and mla_decode.supported(q, kv_cache, self.kv_lora_rank))
 
     def _absorbed_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata,
-                         new_kv: torch.Tensor | None = None) -> torch.Tensor:
+                         new_kv: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
         """q [B, heads, qk] (one token per sequence) against its whole cached context. new_kv
-        (`_decode_writes_kv`): the step's latents, not yet in the cache; the kernel writes them."""
+        (`_decode_writes_kv`): the step's latents, not yet in the cache; the kernel writes them.
+        rope: q's rope part is unroped; the decode kernel ropes it (any other path here, now)."""
         b = q.shape[0]
         new = {} if new_kv is None else {"new_kv": new_kv.to(kv_cache.dtype), "new_slots": meta.slot_mapping}
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -257,10 +269,12 @@ class MLAAttention(nn.Module):
             merge_out = b <= mla_decode.merge_out_max_rows()  # the splits' merge and W_UV in one kernel
             o = mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
                                       self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:],
-                                      w_uv=w_uv if merge_out else None, **new)
+                                      w_uv=w_uv if merge_out else None, rope=rope, **new)
             if not merge_out:
                 o = torch.ops.latentserve.mla_absorb_out(o, w_uv)
             return o.view(b, self.num_heads, self.v_dim)
+        if rope is not None:
+            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], *rope)], dim=-1)
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]
         # [c_kv | k_pe] rows match [q_latent | q_pe]: one matmul scores both parts.
         q_cat = torch.cat([q_latent, q[..., self.nope:]], dim=-1)

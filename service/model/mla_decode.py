@@ -122,6 +122,31 @@ if triton is not None:
         return k_lat, k_pe
 
     @triton.jit
+    def _query_pe(qpe_ptr, cos_ptr, sin_ptr, b, heads, hmask, stride_pb, stride_ph, stride_cs,
+                  D_PE: tl.constexpr, ROPE: tl.constexpr):
+        """Sequence b's q_pe rows [BLOCK_H, D_PE], roped here when ROPE (1: halves, 2: DeepSeek's
+        interleaved pairs, de-interleaved as layers.apply_rope leaves them and the cache holds
+        k_pe): cos/sin [B, D_PE / 2] rounded to q's dtype, the products summed in fp32 and the
+        result rounded to q's dtype, as the compiled layer's rope kernel computes it."""
+        d = tl.arange(0, D_PE)
+        rows = qpe_ptr + b * stride_pb + heads[:, None] * stride_ph
+        if ROPE == 0:
+            return tl.load(rows + d[None, :], mask=hmask[:, None], other=0.0)
+        half = D_PE // 2
+        j = d % half
+        first = d < half
+        if ROPE == 2:
+            x1_at, x2_at = 2 * j, 2 * j + 1
+        else:
+            x1_at, x2_at = j, j + half
+        x1 = tl.load(rows + x1_at[None, :], mask=hmask[:, None], other=0.0)
+        x2 = tl.load(rows + x2_at[None, :], mask=hmask[:, None], other=0.0)
+        c = tl.load(cos_ptr + b * stride_cs + j).to(x1.dtype).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + b * stride_cs + j).to(x1.dtype).to(tl.float32)[None, :]
+        a, o = x1.to(tl.float32), x2.to(tl.float32)
+        return tl.where(first[None, :], a * c - o * s, o * c + a * s).to(x1.dtype)
+
+    @triton.jit
     def _attend(q_lat, q_pe, k_lat, k_pe, nmask, m_i, l_i, acc, scale, IEEE: tl.constexpr):
         """One tile of the online softmax: (m_i, l_i, acc) after the tile's positions nmask."""
         if IEEE:
@@ -145,12 +170,14 @@ if triton is not None:
     # context: specialized (== 1, % 16), each new class was a compile of ~0.25 s inside a served step.
     @triton.jit(do_not_specialize=["stride_bt"])
     def _mla_decode_split(q_ptr, qpe_ptr, kv_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr, new_ptr, new_slot_ptr,
+                          cos_ptr, sin_ptr,
                           stride_qb, stride_qh, stride_pb, stride_ph, stride_slot, stride_bt,
-                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_new,
+                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_new, stride_cs,
                           num_heads, scale,
                           BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr):
+                          WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr,
+                          ROPE: tl.constexpr = 0):
         """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) is attended
         from registers after the loop, and written to its slot (head block 0), by the one program
         whose split holds its position: the KV write needs no kernel of its own. The loop stops
@@ -171,8 +198,7 @@ if triton is not None:
         hmask = heads < num_heads
         q_lat = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d_lat[None, :], mask=hmask[:, None],
                         other=0.0)
-        q_pe = tl.load(qpe_ptr + b * stride_pb + heads[:, None] * stride_ph + d_pe[None, :], mask=hmask[:, None],
-                       other=0.0)
+        q_pe = _query_pe(qpe_ptr, cos_ptr, sin_ptr, b, heads, hmask, stride_pb, stride_ph, stride_cs, D_PE, ROPE)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -291,7 +317,7 @@ def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
                splits: int | None = None, q_pe: torch.Tensor | None = None,
                new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None,
-               w_uv: torch.Tensor | None = None) -> torch.Tensor:
+               w_uv: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
     """q_cat [B, H, kv_lora_rank + rope] (absorbed query | roped query), or with q_pe [B, H, rope]
     the absorbed query alone [B, H, kv_lora_rank] (two inputs: no cat); kv_cache
     [num_blocks, block_size, kv_lora_rank + rope]; block_tables [B, W] (any int dtype);
@@ -300,22 +326,24 @@ def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     attends them as the last position: what write_kv did before it, one launch fewer.
     Returns the attention output in latent space, [B, H, kv_lora_rank] fp32; with w_uv [H, v,
     kv_lora_rank], that output through W_UV as o_proj's rows [B, H * v] (mla_absorb: the merge and
-    the projection in one kernel at a few sequences)."""
+    the projection in one kernel at a few sequences). rope (cos [B, rope / 2], sin, interleaved): q_pe
+    comes unroped and the kernel ropes it where it loads it (`_query_pe`), as layers.apply_rope would."""
+    cos, sin, interleave = rope if rope is not None else (None, None, False)
     if splits is None and torch.compiler.is_compiling():
         if new_kv is not None:
             return torch.ops.latentserve.mla_decode_write(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank,
-                                                          scale, q_pe, new_kv, new_slots, w_uv)
+                                                          scale, q_pe, new_kv, new_slots, w_uv, cos, sin, interleave)
         return torch.ops.latentserve.mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale,
-                                                q_pe, w_uv)
+                                                q_pe, w_uv, cos, sin, interleave)
     return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, splits, q_pe=q_pe,
-                       new_kv=new_kv, new_slots=new_slots, w_uv=w_uv)
+                       new_kv=new_kv, new_slots=new_slots, w_uv=w_uv, rope=rope)
 
 
 def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
                 splits: int | None = None, cfg: dict | None = None, q_pe: torch.Tensor | None = None,
                 new_kv: torch.Tensor | None = None, new_slots: torch.Tensor | None = None,
-                w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                w_uv: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
     """cfg overrides the split kernel's launch shape (BLOCK_N, num_warps, num_stages): the
     sweep in bench/mla_decode.py."""
     if q_pe is None:
@@ -343,14 +371,19 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             raise ValueError(f"new_kv {tuple(new_kv.shape)} {new_kv.dtype} / new_slots do not fit batch {b}, "
                              f"width {d}, cache {kv_cache.dtype}")
         new_kv = new_kv if new_kv.stride(-1) == 1 else new_kv.contiguous()
+    cos, sin = (rope[0], rope[1]) if rope is not None else (context_lens, context_lens)
+    if rope is not None and (cos.shape != (b, q_pe.shape[-1] // 2) or sin.shape != cos.shape
+                             or cos.stride() != sin.stride() or cos.stride(-1) != 1):
+        raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} do not fit q_pe {tuple(q_pe.shape)}")
     _mla_decode_split[grid](
         q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse,
-        new_kv if write else kv_cache, new_slots if write else context_lens,
+        new_kv if write else kv_cache, new_slots if write else context_lens, cos, sin,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1), block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0,
-        h, scale,
+        cos.stride(0), h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        NUM_SPLITS=splits, WRITE_KV=write, IEEE=ieee, **launch, **pdl.launch(q_lat.device),
+        NUM_SPLITS=splits, WRITE_KV=write, IEEE=ieee, ROPE=0 if rope is None else 2 if rope[2] else 1,
+        **launch, **pdl.launch(q_lat.device),
     )
     if w_uv is not None:
         return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv) if splits == 1 else merge_out(o, lse, w_uv)
@@ -371,15 +404,21 @@ if triton is not None:
             return w_uv.new_empty(b, h * w_uv.shape[1])
         return q_cat.new_empty(b, h, kv_lora_rank, dtype=torch.float32)
 
+    def _rope(cos, sin, interleave):
+        return (cos, sin, interleave) if cos is not None else None
+
     @torch.library.custom_op("latentserve::mla_decode", mutates_args=())
     def _mla_decode_op(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, kv_lora_rank: int, scale: float,
-                       q_pe: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                       q_pe: torch.Tensor | None = None, w_uv: torch.Tensor | None = None,
+                       cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                       interleave: bool = False) -> torch.Tensor:
         return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=q_pe,
-                           w_uv=w_uv).contiguous()
+                           w_uv=w_uv, rope=_rope(cos, sin, interleave)).contiguous()
 
     @_mla_decode_op.register_fake
-    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=None, w_uv=None):
+    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=None, w_uv=None, cos=None,
+          sin=None, interleave=False):
         return _fake_out(q_cat, kv_lora_rank, w_uv)
 
     # The writing variant is its own op: it mutates the cache, which the read-only op must not
@@ -388,10 +427,13 @@ if triton is not None:
     def _mla_decode_write_op(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                              context_lens: torch.Tensor, kv_lora_rank: int, scale: float, q_pe: torch.Tensor | None,
                              new_kv: torch.Tensor, new_slots: torch.Tensor,
-                             w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                             w_uv: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                             sin: torch.Tensor | None = None, interleave: bool = False) -> torch.Tensor:
         return _mla_decode(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe=q_pe,
-                           new_kv=new_kv, new_slots=new_slots, w_uv=w_uv).contiguous()
+                           new_kv=new_kv, new_slots=new_slots, w_uv=w_uv,
+                           rope=_rope(cos, sin, interleave)).contiguous()
 
     @_mla_decode_write_op.register_fake
-    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe, new_kv, new_slots, w_uv=None):
+    def _(q_cat, kv_cache, block_tables, context_lens, kv_lora_rank, scale, q_pe, new_kv, new_slots, w_uv=None,
+          cos=None, sin=None, interleave=False):
         return _fake_out(q_cat, kv_lora_rank, w_uv)

@@ -217,3 +217,58 @@ def test_attention_decode_writes_kv_in_the_kernel(monkeypatch):
         theirs = attn(x, cos, sin, meta, theirs_cache)
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()
     assert torch.equal(ours_cache, theirs_cache)
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_decode_ropes_the_query_where_it_loads_it(interleave, splits):
+    """rope=(cos, sin, interleave): the unroped q_pe roped inside the split kernel equals q_pe
+    roped by layers.apply_rope first (fp32: the same products, one rounding)."""
+    from service.model.layers import apply_rope
+
+    lora, rope_dim, block_size, batch = 64, 16, 4, 3
+    q, kv, tables, ctx, _ = case(13, batch, 8, lora, rope_dim, block_size, torch.float32, 40)
+    g = torch.Generator().manual_seed(5)
+    angles = torch.rand(batch, rope_dim // 2, generator=g) * 6.0
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    scale = (lora + rope_dim) ** -0.5
+    raw = q[..., lora:]
+    roped = mla_decode.mla_decode(q[..., :lora].contiguous(), kv, tables, ctx, lora, scale, splits=splits,
+                                  q_pe=apply_rope(raw, cos, sin, interleave))
+    inside = mla_decode.mla_decode(q[..., :lora].contiguous(), kv, tables, ctx, lora, scale, splits=splits,
+                                   q_pe=raw, rope=(cos, sin, interleave))
+    torch.testing.assert_close(inside, roped, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="rope tables"):
+        mla_decode.mla_decode(q[..., :lora].contiguous(), kv, tables, ctx, lora, scale, q_pe=raw,
+                              rope=(cos[:, :4], sin[:, :4], interleave))
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["halves", "interleaved"])
+def test_attention_decode_ropes_the_query_in_the_kernel(monkeypatch, spy, interleave):
+    """MLAAttention.forward on a step of decodes with LATENTSERVE_MLA_ROPE_IN_DECODE=1: the
+    project step leaves q unroped and the decode kernel ropes it; output and cache equal."""
+    from service.engine.plan import SeqChunk
+    from service.model import attention
+    from service.model.attn_metadata import AttnMetadata
+    from service.model.layers import RotaryEmbedding
+
+    attn, cfg = attention_layer()
+    attn.interleave = interleave
+    block_size, ctx = 4, [1, 6, 13]
+    chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
+    meta = AttnMetadata.build(chunks, block_size, DEVICE)
+    cache = torch.randn(12, block_size, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    cos, sin = RotaryEmbedding(cfg).to(DEVICE).lookup(meta.positions)
+    ropes = spy(attention, "apply_rope")
+    with torch.no_grad():
+        theirs_cache = cache.clone()
+        theirs = attn(x, cos, sin, meta, theirs_cache)
+        assert len(ropes) == 2  # q's rope part, then k_pe
+        monkeypatch.setenv("LATENTSERVE_MLA_ROPE_IN_DECODE", "1")
+        assert attn._rope_in_decode(x, meta, cache)
+        ours_cache = cache.clone()
+        ours = attn(x, cos, sin, meta, ours_cache)
+    assert len(ropes) == 3  # k_pe only: q's is the kernel's
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours_cache, theirs_cache)
