@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
-from . import cpu_kernels, mla_absorb, mla_decode, sdpa
+from . import cpu_kernels, gemv_multi, mla_absorb, mla_decode, sdpa
 from .attn_metadata import AttnMetadata
 from .layers import (
     ColumnParallelLinear,
@@ -120,8 +120,10 @@ class MLAAttention(nn.Module):
         (`step_buffers`). rope_q=False leaves q's rope part unroped (`_rope_in_decode`)."""
         q_out, latent_out = into if into is not None else (None, None)
         t = x.shape[0]
+        gate_in = None
         if self.q_lora_rank:
-            q_a, c_kv, k_pe = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank, self.rope], dim=-1)
+            qkv_a, gate_in = self._down_and_gate(x)
+            q_a, c_kv, k_pe = qkv_a.split([self.q_lora_rank, self.kv_lora_rank, self.rope], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q = self.q_proj(x)
@@ -134,8 +136,23 @@ class MLAAttention(nn.Module):
         if q_out is not None and not (self.use_rope and rope_q):
             q = q_out.copy_(q)
         latent = cat_last([self.kv_a_layernorm(c_kv), k_pe], latent_out)
-        gate = self.g_proj(x).sigmoid() if self.g_proj is not None else None
+        if self.g_proj is not None:
+            gate = (gate_in if gate_in is not None else self.g_proj(x)).sigmoid()
+        else:
+            gate = None
         return (q, latent), gate
+
+    def _down_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fused_qkv_a's output, and Kimi's output gate projection when both come from one
+        gemv_multi launch (a decode step's rows, LATENTSERVE_GEMV_MULTI=1), else None for it."""
+        mods = [self.fused_qkv_a_proj, self.g_proj]
+        if self.g_proj is not None and all(m.weight_scale_inv is None for m in mods):
+            weights = [m.weight for m in mods]
+            y = gemv_multi.run(x, weights) if gemv_multi.supported(x, weights) else None
+            if y is not None:
+                n = weights[0].shape[0]
+                return y[..., :n], y[..., n:]
+        return self.fused_qkv_a_proj(x), None
 
     def step_buffers(self, n: int, dtype: torch.dtype, device) -> tuple[tuple, torch.Tensor]:
         """Zeroed buffers for `project`'s attention inputs and `attend`'s output, n rows."""

@@ -90,3 +90,32 @@ def test_kda_layer_reads_its_input_in_one_launch(preset, tokens, monkeypatch, sp
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     for part in ("conv", "recurrent"):
         torch.testing.assert_close(getattr(got_state, part), getattr(ref_state, part), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_mla_layer_reads_its_down_projection_and_gate_in_one_launch(tokens, monkeypatch, spy):
+    """Kimi-K3's MLA: fused_qkv_a and the output gate's g_proj of the same rows from one
+    gemv_multi launch; q, the latent and the gate unchanged."""
+    from service.config import ModelConfig
+    from service.model.attention import MLAAttention
+    from service.parallel import TPGroup
+
+    cfg = ModelConfig(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64,
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, hidden_size=128,
+                      mla_use_output_gate=True, mla_use_nope=True)
+    attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32)
+    g = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        for _, p in sorted(attn.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 4))
+    attn = attn.to(DEVICE).eval()
+    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(DEVICE)
+    no_rope = torch.empty(tokens, 8, device=DEVICE)  # NoPE: never read
+    with torch.no_grad():
+        (q_ref, lat_ref), gate_ref = attn.project(x, no_rope, no_rope)
+        monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "1")
+        calls = spy(torch.ops.latentserve, "gemv_multi")
+        (q, lat), gate = attn.project(x, no_rope, no_rope)
+    assert len(calls) == 1
+    for got, ref in ((q, q_ref), (lat, lat_ref), (gate, gate_ref)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
