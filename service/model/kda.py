@@ -205,16 +205,17 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> torch.Tensor:
+        if kda_step.fits(self, x, meta, state):
+            return kda_step.run(self, x, meta, state)
         inputs, gate = self.project(x)
-        if self._one_step_kernel(inputs[0], meta, state):
-            return self.o_proj(self._decode_step(*inputs, gate, meta, state))
         return self.output(self.attend(*inputs, meta, state), gate)
 
-    def project(self, x: torch.Tensor, into: tuple | None = None) -> tuple[tuple, torch.Tensor]:
+    def project(self, x: torch.Tensor, into: tuple | None = None, f_b: bool = True) -> tuple[tuple, torch.Tensor]:
         """x [T, H] -> ((pre-conv q|k|v [T, 3 * heads * d], raw gate [T, heads, d], raw beta
         [T, heads]), output gate [T, heads * d]): the per-token part before the recurrence, which
         depends on the token count only (prefill_graphs.py captures it). `into`: buffers for the
-        first three (`step_buffers`)."""
+        first three (`step_buffers`). f_b=False: the raw gate's slot holds f_a's output [T, d]
+        (kda_step's kernel projects it)."""
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
         one_launch = self._input_projections(x)
         if one_launch is not None:
@@ -225,7 +226,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
             gate_in = self.g_proj(x) if self.full_rank_gate else self.g_a_proj(x)
             f_a = self.f_a_proj(x)
             raw_beta = self.b_proj(x)
-        raw_g = self.f_b_proj(f_a).view(t, heads, d)
+        raw_g = self.f_b_proj(f_a).view(t, heads, d) if f_b else f_a
         if into is not None:
             raw_g, raw_beta = into[1].copy_(raw_g), into[2].copy_(raw_beta)
         gate = gate_in if self.full_rank_gate else self.g_b_proj(gate_in)
@@ -341,20 +342,6 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         q, k, v = kda_ops.decode_conv(mixed, state.conv, rows, meta.positions, self.q_conv1d.weight,
                                       self.k_conv1d.weight, self.v_conv1d.weight)
         return self._fla_step(q, k, v, raw_g, raw_beta, state, rows, meta.positions)
-
-    def _one_step_kernel(self, mixed: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> bool:
-        """An all-decode step (token i is sequence i's) runs as kda_step's one kernel, from the
-        projections to o_proj's input (LATENTSERVE_KDA_DECODE_STEP=1; never on the torch backend)."""
-        return (self.backend != "torch" and state is not None and not meta.prefill_chunks
-                and meta.state_slots is not None and kda_step.enabled()
-                and kda_step.supported(mixed, state.recurrent, self.head_dim))
-
-    def _decode_step(self, mixed, raw_g, raw_beta, gate, meta: AttnMetadata, state: KDAState) -> torch.Tensor:
-        t = mixed.shape[0]
-        return kda_step.decode_step(mixed, state.conv, self.q_conv1d.weight, self.k_conv1d.weight,
-                                    self.v_conv1d.weight, raw_g.view(t, -1), raw_beta, gate.view(t, -1), self.A_log,
-                                    self.dt_bias, self.o_norm.weight, state.recurrent, meta.state_slots,
-                                    meta.positions, self.head_dim ** -0.5, self.lower_bound, self.o_norm.eps)
 
     def _fla_step(self, q, k, v, g_raw, beta_raw, state: KDAState, rows: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,15 @@ among them) has completed.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import pdl
+from .attn_metadata import AttnMetadata
+
+if TYPE_CHECKING:
+    from .kda import KDAState, KimiDeltaAttention
 
 try:
     import triton
@@ -44,14 +49,36 @@ def enabled() -> bool:
     return os.environ.get("LATENTSERVE_KDA_DECODE_STEP", "0") == "1"
 
 
-def supported(mixed: torch.Tensor, recurrent: torch.Tensor, head_dim: int) -> bool:
+def supported(x: torch.Tensor, recurrent: torch.Tensor, head_dim: int) -> bool:
     """Triton on CUDA (or the interpreter), a power-of-two head width the [D, D] tile can hold,
     float32 state rows contiguous within a row."""
-    if triton is None or not (mixed.is_cuda or INTERPRET):
+    if triton is None or not (x.is_cuda or INTERPRET):
         return False
     d = head_dim
     return (16 <= d <= 128 and d & (d - 1) == 0 and recurrent.dtype == torch.float32
             and recurrent.stride()[1:] == (d * d, d, 1))
+
+
+def fits(layer: KimiDeltaAttention, x: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> bool:
+    """The layer's step runs here: switched on, an all-decode step (token i is sequence i's) with
+    state rows, never on the layer's torch backend (the reference path)."""
+    return (layer.backend != "torch" and state is not None and not meta.prefill_chunks
+            and meta.state_slots is not None and enabled() and supported(x, state.recurrent, layer.head_dim))
+
+
+def run(layer: KimiDeltaAttention, x: torch.Tensor, meta: AttnMetadata, state: KDAState) -> torch.Tensor:
+    """The layer's forward for a step `fits` took: its projections, this kernel, o_proj."""
+    f_b = layer.f_b_proj.weight
+    if (x.shape[0] > fb_max_rows() or layer.f_b_proj.weight_scale_inv is not None or f_b.dtype != x.dtype
+            or not fb_fits(f_b, layer.num_heads * layer.head_dim)):
+        f_b = None
+    (mixed, raw_g, raw_beta), gate = layer.project(x, f_b=f_b is None)
+    t = x.shape[0]
+    out = decode_step(mixed, state.conv, layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight,
+                      raw_g.reshape(t, -1), raw_beta, gate.view(t, -1), layer.A_log, layer.dt_bias,
+                      layer.o_norm.weight, state.recurrent, meta.state_slots, meta.positions, layer.head_dim ** -0.5,
+                      layer.lower_bound, layer.o_norm.eps, f_b)
+    return layer.o_proj(out)
 
 
 if triton is not None:
@@ -88,13 +115,15 @@ if triton is not None:
 
     @triton.jit
     def _step_kernel(mixed_ptr, conv_ptr, wq_ptr, wk_ptr, wv_ptr, g_ptr, beta_ptr, gate_ptr, a_log_ptr, dt_bias_ptr,
-                     norm_w_ptr, rec_ptr, rows_ptr, pos_ptr, out_ptr, P, stride_m, stride_cs, stride_cc, stride_w,
-                     stride_g, stride_beta, stride_gate, stride_rs, stride_out, scale, lower_bound, eps,
-                     D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
-                     BOUNDED: tl.constexpr, PDL: tl.constexpr):
+                     norm_w_ptr, rec_ptr, rows_ptr, pos_ptr, out_ptr, fb_ptr, P, stride_m, stride_cs, stride_cc,
+                     stride_w, stride_g, stride_beta, stride_gate, stride_rs, stride_out, stride_fb, scale,
+                     lower_bound, eps, D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
+                     BOUNDED: tl.constexpr, FB_K: tl.constexpr, PDL: tl.constexpr):
         """The head's state [key, value] in blocks of BV value columns, each column independent of
         the others: the next block is requested before this one is worked on. The outputs go to
-        o_proj's row rounded, then the row is read back, normed and gated."""
+        o_proj's row rounded, then the row is read back, normed and gated. FB_K > 0: g_ptr holds
+        f_a's output [B, FB_K] and the head's rows of f_b (fb_ptr) project it here, rounded to the
+        model dtype as f_b's own launch would write them."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, D)
@@ -105,6 +134,9 @@ if triton is not None:
         s_next = tl.load(head_state + d[:, None] * D + cb[None, :], mask=(d[:, None] < D) & kept, other=0.0)
         a = tl.exp(tl.load(a_log_ptr + h))
         bias = tl.load(dt_bias_ptr + h * D + d)
+        if FB_K > 0:
+            r = tl.arange(0, FB_K)
+            w_fb = tl.load(fb_ptr + (h * D + d)[:, None].to(tl.int64) * stride_fb + r[None, :])
         pdl.enter(PDL)
 
         c = h * D + d
@@ -118,7 +150,11 @@ if triton is not None:
         tl.store(k_hist, k_shifted, mask=taps)
         q = _l2_normed(q) * scale
         k = _l2_normed(k)
-        z = tl.load(g_ptr + t * stride_g + c).to(tl.float32) + bias
+        if FB_K > 0:
+            f_a = tl.load(g_ptr + t * stride_g + r).to(tl.float32)
+            z = tl.sum(w_fb.to(tl.float32) * f_a[None, :], 1).to(mixed_ptr.dtype.element_ty).to(tl.float32) + bias
+        else:
+            z = tl.load(g_ptr + t * stride_g + c).to(tl.float32) + bias
         if BOUNDED:
             decay = tl.exp(lower_bound * tl.sigmoid(a * z))
         else:
@@ -152,40 +188,60 @@ if triton is not None:
 
 
 def _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions,
-          scale, lower_bound, eps):
+          scale, lower_bound, eps, f_b=None):
     b, p = mixed.shape[0], mixed.shape[1] // 3
     heads, d = recurrent.shape[1], recurrent.shape[-1]
     out = mixed.new_empty(b, p)
     if b == 0:
         return out
-    if (heads * d != p or raw_g.shape != (b, p) or raw_beta.shape != (b, heads) or gate.shape != (b, p)
-            or any(t.stride(-1) != 1 for t in (mixed, raw_g, raw_beta, gate)) or conv.stride(-1) != 1):
+    g_width = f_b.shape[1] if f_b is not None else p
+    fb = f", f_b {tuple(f_b.shape)}" if f_b is not None else ""
+    if (heads * d != p or raw_g.shape != (b, g_width) or raw_beta.shape != (b, heads) or gate.shape != (b, p)
+            or any(t.stride(-1) != 1 for t in (mixed, raw_g, raw_beta, gate)) or conv.stride(-1) != 1
+            or (f_b is not None and not fb_fits(f_b, p))):
         raise ValueError(f"KDA decode step: mixed {tuple(mixed.shape)}, raw_g {tuple(raw_g.shape)}, raw_beta "
-                         f"{tuple(raw_beta.shape)}, gate {tuple(gate.shape)} do not fit {heads} heads of {d}")
+                         f"{tuple(raw_beta.shape)}, gate {tuple(gate.shape)}{fb} do not fit {heads} heads of {d}")
     width = wq.shape[-1]
     _step_kernel[(b, heads)](
         mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions, out,
-        p, mixed.stride(0), conv.stride(0), conv.stride(1), wq.stride(0), raw_g.stride(0), raw_beta.stride(0),
-        gate.stride(0), recurrent.stride(0), out.stride(0), scale, lower_bound if lower_bound is not None else 0.0,
-        eps, D=d, BV=min(d, BV), W=width, W_PAD=triton.next_power_of_2(width), BOUNDED=lower_bound is not None,
-        num_warps=4, **pdl.launch(mixed.device))
+        f_b if f_b is not None else mixed, p, mixed.stride(0), conv.stride(0), conv.stride(1), wq.stride(0),
+        raw_g.stride(0), raw_beta.stride(0), gate.stride(0), recurrent.stride(0), out.stride(0),
+        f_b.stride(0) if f_b is not None else 0, scale, lower_bound if lower_bound is not None else 0.0, eps,
+        D=d, BV=min(d, BV), W=width, W_PAD=triton.next_power_of_2(width), BOUNDED=lower_bound is not None,
+        FB_K=g_width if f_b is not None else 0, num_warps=4, **pdl.launch(mixed.device))
     return out
+
+
+def fb_max_rows() -> int:
+    """Up to this many decode rows f_b's projection runs inside the step kernel (`decode_step`'s
+    f_b), one launch fewer a KDA layer: each program reads its head's [D, R] rows of f_b (32 KB at
+    D = R = 128) before the PDL wait, so above a few rows those re-reads (from L2) outgrow f_b's
+    own launch. LATENTSERVE_KDA_STEP_FB_MAX_ROWS; 0: never."""
+    return int(os.environ.get("LATENTSERVE_KDA_STEP_FB_MAX_ROWS", "16"))
+
+
+def fb_fits(f_b: torch.Tensor, p: int) -> bool:
+    """f_b [P, R] bf16/fp32, row-major, R a power of two up to 128 (the tile sits in registers)."""
+    r = f_b.shape[1]
+    return f_b.shape[0] == p and f_b.stride(-1) == 1 and 16 <= r <= 128 and r & (r - 1) == 0
 
 
 @torch.library.custom_op("latentserve::kda_decode_step", mutates_args=("conv", "recurrent"))
 def decode_step(mixed: torch.Tensor, conv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
                 raw_g: torch.Tensor, raw_beta: torch.Tensor, gate: torch.Tensor, a_log: torch.Tensor,
                 dt_bias: torch.Tensor, norm_weight: torch.Tensor, recurrent: torch.Tensor, rows: torch.Tensor,
-                positions: torch.Tensor, scale: float, lower_bound: float | None, eps: float) -> torch.Tensor:
-    """One decode token a row: mixed [B, 3P] pre-conv q|k|v, raw_g [B, P] (f_b's output), raw_beta
-    [B, H], gate [B, P] (the output gate's projection); conv [S, 3P, W-1] and recurrent [S, H, D, D]
-    fp32 rows advanced in place at rows [B]; positions [B] (0: a fresh sequence); w* [P, 1, W];
-    a_log [H], dt_bias [P] fp32; norm_weight [D] -> o_proj's input [B, P] in mixed's dtype."""
+                positions: torch.Tensor, scale: float, lower_bound: float | None, eps: float,
+                f_b: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token a row: mixed [B, 3P] pre-conv q|k|v, raw_g [B, P] (f_b's output; with f_b
+    [P, R] given, f_a's output [B, R], projected here), raw_beta [B, H], gate [B, P] (the output
+    gate's projection); conv [S, 3P, W-1] and recurrent [S, H, D, D] fp32 rows advanced in place at
+    rows [B]; positions [B] (0: a fresh sequence); w* [P, 1, W]; a_log [H], dt_bias [P] fp32;
+    norm_weight [D] -> o_proj's input [B, P] in mixed's dtype."""
     return _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows,
-                 positions, scale, lower_bound, eps)
+                 positions, scale, lower_bound, eps, f_b)
 
 
 @decode_step.register_fake
 def _(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions,
-      scale, lower_bound, eps):
+      scale, lower_bound, eps, f_b=None):
     return mixed.new_empty(mixed.shape[0], mixed.shape[1] // 3)

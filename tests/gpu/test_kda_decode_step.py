@@ -43,18 +43,30 @@ def draw(heads: int, d: int, width: int, dtype: torch.dtype, seed: int) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
-@pytest.mark.parametrize("heads,d,width", [(3, 32, 4), (2, 128, 4), (4, 16, 3)])
-def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width):
+@pytest.mark.parametrize("heads,d,width,f_b", [(3, 32, 4, False), (2, 128, 4, False), (4, 16, 3, False),
+                                               (2, 128, 4, True), (3, 32, 4, True)])
+def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width, f_b):
+    """f_b: the kernel projects f_a's output through f_b's rows itself (K = d, as KDA's f_a)."""
     case = draw(heads, d, width, dtype, seed=heads * d + width)
     eps = 1e-5
+    g = torch.Generator().manual_seed(d)
+    if f_b:
+        # Multiples of 1/4 and 1/8 whose sums bf16 holds exactly: a rounding of f_b's output (sum
+        # order, the interpreter's truncation) would move a gate by one bf16 step, and a decay
+        # exp(-5 sigmoid(a z)) amplifies that ~0.06 into the state.
+        f_a = torch.randint(-2, 3, (B, d), generator=g).to(dtype) / 4
+        w_fb = torch.randint(-2, 3, (heads * d, d), generator=g).to(dtype) / 8
+        exact = f_a.double() @ w_fb.double().t()
+        assert torch.equal(exact.to(torch.bfloat16).double(), exact)
+        case["raw_g"] = exact.to(dtype)
     ref_out, ref_hist, ref_rec = decode_step(**case, lower_bound=lower_bound, eps=eps)
 
     dev = {k: ([w.to(DEVICE) for w in v] if k == "ws" else v.to(DEVICE)) for k, v in case.items()}
     assert kda_step.supported(dev["mixed"], dev["recurrent"], d)
     out = torch.ops.latentserve.kda_decode_step(
-        dev["mixed"], dev["conv"], *dev["ws"], dev["raw_g"], dev["raw_beta"], dev["gate"], dev["a_log"],
-        dev["dt_bias"], dev["norm_weight"], dev["recurrent"], dev["rows"], dev["positions"], d ** -0.5,
-        lower_bound, eps).cpu()
+        dev["mixed"], dev["conv"], *dev["ws"], f_a.to(DEVICE) if f_b else dev["raw_g"], dev["raw_beta"],
+        dev["gate"], dev["a_log"], dev["dt_bias"], dev["norm_weight"], dev["recurrent"], dev["rows"],
+        dev["positions"], d ** -0.5, lower_bound, eps, w_fb.to(DEVICE) if f_b else None).cpu()
     assert out.dtype == dtype and out.shape == (B, heads * d) and not out.isnan().any()
     # bf16: the output rounds twice (before the norm and after it), as the torch path does, and
     # an fp32 sum order may flip a rounding: one bf16 step of the output's scale.
@@ -83,12 +95,14 @@ def test_decode_step_refuses_inputs_that_do_not_fit_its_heads():
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny", "linear", "bounded"])
-@pytest.mark.parametrize("multi", [False, True], ids=["projections", "gemv_multi"])
-def test_kda_layer_decodes_through_the_step_kernel(preset, multi, monkeypatch, spy):
-    """KimiDeltaAttention's all-decode steps with LATENTSERVE_KDA_DECODE_STEP=1 (and the input
-    projections as one launch or not) against its torch path: outputs and both state rows, over
-    three steps, a fresh sequence on a NaN row among them (Kimi-K3's full-rank gate, Kimi-Linear's
-    low-rank one, the bounded gate)."""
+@pytest.mark.parametrize("multi,f_b_rows", [(False, "16"), (True, "16"), (True, "0")],
+                         ids=["projections", "gemv_multi", "f_b_launched"])
+def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, monkeypatch, spy):
+    """KimiDeltaAttention's all-decode steps with LATENTSERVE_KDA_DECODE_STEP=1 (the input
+    projections as one launch or not; f_b projected in the kernel, the default at 3 rows, or by
+    its own launch) against its torch path: outputs and both state rows, over three steps, a
+    fresh sequence on a NaN row among them (Kimi-K3's full-rank gate, Kimi-Linear's low-rank one,
+    the bounded gate)."""
     import dataclasses
 
     from service.config import PRESETS
@@ -113,6 +127,8 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, monkeypatch, s
         rows[4] = float("nan")  # the fresh sequence's row
     got_state = KDAState(ref_state.conv.clone(), ref_state.recurrent.clone())
     monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "1" if multi else "0")
+    monkeypatch.setenv("LATENTSERVE_KDA_STEP_FB_MAX_ROWS", f_b_rows)
+    f_b_launches = spy(layer.f_b_proj, "forward")
     calls = spy(kda_step, "decode_step")
     with torch.no_grad():
         for step in range(3):
@@ -128,6 +144,7 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, monkeypatch, s
             got = layer(x, meta, got_state)
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     assert len(calls) == 3
+    assert len(f_b_launches) == 3 + (3 if f_b_rows == "0" else 0)  # the torch path's, and the kernel path's
     for part in ("conv", "recurrent"):
         torch.testing.assert_close(getattr(got_state, part), getattr(ref_state, part), atol=1e-5, rtol=1e-4,
                                    equal_nan=True)
