@@ -21,15 +21,11 @@ among them) has completed.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import pdl
 from .attn_metadata import AttnMetadata
-
-if TYPE_CHECKING:
-    from .kda import KDAState, KimiDeltaAttention
 
 try:
     import triton
@@ -59,14 +55,15 @@ def supported(x: torch.Tensor, recurrent: torch.Tensor, head_dim: int) -> bool:
             and recurrent.stride()[1:] == (d * d, d, 1))
 
 
-def fits(layer: KimiDeltaAttention, x: torch.Tensor, meta: AttnMetadata, state: KDAState | None) -> bool:
-    """The layer's step runs here: switched on, an all-decode step (token i is sequence i's) with
-    state rows, never on the layer's torch backend (the reference path)."""
+def fits(layer: torch.nn.Module, x: torch.Tensor, meta: AttnMetadata, state) -> bool:
+    """The KimiDeltaAttention layer's step runs here: switched on, an all-decode step (token i is
+    sequence i's) with state rows (its KDAState), never on the layer's torch backend (the reference
+    path). kda.py calls these two, so they take the layer rather than import its types."""
     return (layer.backend != "torch" and state is not None and not meta.prefill_chunks
             and meta.state_slots is not None and enabled() and supported(x, state.recurrent, layer.head_dim))
 
 
-def run(layer: KimiDeltaAttention, x: torch.Tensor, meta: AttnMetadata, state: KDAState) -> torch.Tensor:
+def run(layer: torch.nn.Module, x: torch.Tensor, meta: AttnMetadata, state) -> torch.Tensor:
     """The layer's forward for a step `fits` took: its projections, this kernel, o_proj."""
     f_b = layer.f_b_proj.weight
     if (x.shape[0] > fb_max_rows() or layer.f_b_proj.weight_scale_inv is not None or f_b.dtype != x.dtype
