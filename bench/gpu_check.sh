@@ -62,10 +62,11 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
-  # The KDA candidates, most telling first: none; the whole KDA step as one kernel (no FLA), the
-  # six input projections as one launch and the attention-residual mixes as one kernel each;
-  # the same without the mix kernel; the short convs alone as one kernel before FLA's step.
-  runs=("none:" "step_multi_mix:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1 LATENTSERVE_ATTN_RES_KERNEL=1"
+  # The K3 candidates, most telling first: none; the whole KDA step as one kernel (no FLA), the
+  # input projections as one launch, the attention-residual mixes as one kernel each and MLA's
+  # output gate in W_UV's kernel; the first two alone; the short convs alone as one kernel
+  # before FLA's step (with the projections).
+  runs=("none:" "all:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1 LATENTSERVE_ATTN_RES_KERNEL=1 LATENTSERVE_MLA_GATE_IN_KERNEL=1"
         "step_multi:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1"
         "conv_multi:LATENTSERVE_KDA_DECODE_CONV=1 LATENTSERVE_GEMV_MULTI=1"); n=${#runs[@]}
   for i in "${!runs[@]}"; do

@@ -99,25 +99,39 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor | None) -> torch.Tensor:
-        rope = (cos, sin, self.interleave) if self._rope_in_decode(x, meta, kv_cache) else None
-        inputs, gate = self.project(x, cos, sin, rope_q=rope is None)
-        return self.output(self.attend(*inputs, meta, kv_cache, rope=rope), gate)
+        kernels = self._absorbed_kernels(x, meta, kv_cache)
+        rope = (cos, sin, self.interleave) if kernels and self._rope_in_decode() else None
+        gate_in_kernel = kernels and self._gate_in_decode(x.shape[0])
+        inputs, gate = self.project(x, cos, sin, rope_q=rope is None, gate_sigmoid=not gate_in_kernel)
+        out = self.attend(*inputs, meta, kv_cache, rope=rope, gate=gate if gate_in_kernel else None)
+        return self.output(out, None if gate_in_kernel else gate)
 
-    def _rope_in_decode(self, x: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor | None) -> bool:
-        """A decode-only step on the absorbed kernels ropes q_pe inside the MLA decode kernel, where
-        it loads it: no rope-and-cat kernel over q (LATENTSERVE_MLA_ROPE_IN_DECODE=1, opt-in until
-        bench/gpu.py's `rope_in_decode` times it)."""
-        return (self.use_rope and os.environ.get("LATENTSERVE_MLA_ROPE_IN_DECODE", "0") == "1"
-                and kv_cache is not None and not meta.prefill_chunks and meta.decode_context_lens is not None
+    def _absorbed_kernels(self, x: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor | None) -> bool:
+        """This step's attention is a decode-only step on the absorbed Triton kernels."""
+        return (kv_cache is not None and not meta.prefill_chunks and meta.decode_context_lens is not None
                 and mla_absorb.supported(x, self.kv_b_proj.weight) and mla_decode.supported(x, kv_cache, self.kv_lora_rank))
 
+    def _rope_in_decode(self) -> bool:
+        """On the absorbed kernels, q_pe is roped inside the MLA decode kernel where it is loaded:
+        no rope-and-cat kernel over q (LATENTSERVE_MLA_ROPE_IN_DECODE=1, opt-in until bench/gpu.py's
+        `rope_in_decode` times it)."""
+        return self.use_rope and os.environ.get("LATENTSERVE_MLA_ROPE_IN_DECODE", "0") == "1"
+
+    def _gate_in_decode(self, rows: int) -> bool:
+        """On the absorbed kernels, Kimi's output gate is applied in W_UV's kernel (`absorb_out`'s
+        epilogue, sigmoid included) instead of a kernel before o_proj (LATENTSERVE_MLA_GATE_IN_KERNEL=1,
+        opt-in until `bench/gpu.py k3graphs` times it; not where the merge_out candidate runs W_UV)."""
+        return (self.g_proj is not None and os.environ.get("LATENTSERVE_MLA_GATE_IN_KERNEL", "0") == "1"
+                and rows > mla_decode.merge_out_max_rows())
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                into: tuple[torch.Tensor, torch.Tensor] | None = None, rope_q: bool = True
+                into: tuple[torch.Tensor, torch.Tensor] | None = None, rope_q: bool = True, gate_sigmoid: bool = True
                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """x [T, H] -> ((q [T, heads, qk], latent [T, kv_cache_dim] as the cache holds it), Kimi's
         output gate [T, heads * v] or None): the per-token part before attention, which depends on
         the token count only (prefill_graphs.py captures it). `into`: buffers for q and latent
-        (`step_buffers`). rope_q=False leaves q's rope part unroped (`_rope_in_decode`)."""
+        (`step_buffers`). rope_q=False leaves q's rope part unroped (`_rope_in_decode`);
+        gate_sigmoid=False returns the gate before its sigmoid (`_gate_in_decode`)."""
         q_out, latent_out = into if into is not None else (None, None)
         t = x.shape[0]
         gate_in = None
@@ -136,10 +150,10 @@ class MLAAttention(nn.Module):
         if q_out is not None and not (self.use_rope and rope_q):
             q = q_out.copy_(q)
         latent = cat_last([self.kv_a_layernorm(c_kv), k_pe], latent_out)
+        gate = None
         if self.g_proj is not None:
-            gate = (gate_in if gate_in is not None else self.g_proj(x)).sigmoid()
-        else:
-            gate = None
+            gate = gate_in if gate_in is not None else self.g_proj(x)
+            gate = gate.sigmoid() if gate_sigmoid else gate
         return (q, latent), gate
 
     def _down_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -168,11 +182,13 @@ class MLAAttention(nn.Module):
         return self.o_proj(out)
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor | None,
-               out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, rope: tuple | None = None,
+               gate: torch.Tensor | None = None) -> torch.Tensor:
         """The step's attention proper: q [T, heads, qk] over the cached context and this step's
         latents (written to the cache here) -> [T, heads, v], into `out` when given. It depends on
         the chunks' lengths and positions, so it always runs eagerly. rope (cos, sin, interleave):
-        q's rope part is still to be roped (a decode-only step: `_rope_in_decode`)."""
+        q's rope part is still to be roped; gate [T, heads * v]: Kimi's output gate before its
+        sigmoid, applied here (both decode-only steps: `_rope_in_decode`, `_gate_in_decode`)."""
         t = q.shape[0]
         given = out is not None
         if out is None:
@@ -192,7 +208,7 @@ class MLAAttention(nn.Module):
         if not writes:
             write_kv(kv_cache, meta.slot_mapping, latent)
         if not meta.prefill_chunks:  # decodes only (token i is decode i): no gather, no scatter
-            decoded = self._absorbed_decode(q, kv_cache, meta, latent if writes else None, rope)
+            decoded = self._absorbed_decode(q, kv_cache, meta, latent if writes else None, rope, gate)
             return out.copy_(decoded) if given else decoded
         if meta.decode_token_idx.numel():
             out[meta.decode_token_idx] = self._absorbed_decode(q[meta.decode_token_idx], kv_cache, meta)
@@ -270,10 +286,12 @@ class MLAAttention(nn.Module):
                 and mla_decode.supported(q, kv_cache, self.kv_lora_rank))
 
     def _absorbed_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata,
-                         new_kv: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
+                         new_kv: torch.Tensor | None = None, rope: tuple | None = None,
+                         gate: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, heads, qk] (one token per sequence) against its whole cached context. new_kv
         (`_decode_writes_kv`): the step's latents, not yet in the cache; the kernel writes them.
-        rope: q's rope part is unroped; the decode kernel ropes it (any other path here, now)."""
+        rope: q's rope part is unroped; the decode kernel ropes it (any other path here, now).
+        gate: the output gate before its sigmoid, applied in W_UV's kernel (any other path here)."""
         b = q.shape[0]
         new = {} if new_kv is None else {"new_kv": new_kv.to(kv_cache.dtype), "new_slots": meta.slot_mapping}
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -288,8 +306,18 @@ class MLAAttention(nn.Module):
                                       self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:],
                                       w_uv=w_uv if merge_out else None, rope=rope, **new)
             if not merge_out:
-                o = torch.ops.latentserve.mla_absorb_out(o, w_uv)
-            return o.view(b, self.num_heads, self.v_dim)
+                o, gate = torch.ops.latentserve.mla_absorb_out(o, w_uv, gate), None
+        else:
+            o = self._decoded_by_torch(q, kv_cache, meta, new, rope, w_uk, w_uv)
+        if gate is not None:  # not applied in W_UV's kernel
+            o = o.reshape(b, -1) * gate.sigmoid()
+        return o.reshape(b, self.num_heads, self.v_dim)
+
+    def _decoded_by_torch(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttnMetadata, new: dict,
+                          rope: tuple | None, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """_absorbed_decode off the absorb kernels: bmm's for W_UK and W_UV around the decode kernel,
+        the C kernel (CPU fp32) or torch's attention over the gathered context."""
+        b = q.shape[0]
         if rope is not None:
             q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], *rope)], dim=-1)
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora]

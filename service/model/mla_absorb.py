@@ -74,13 +74,14 @@ if triton is not None:
     # B is a step's decode count: specialized (== 1, % 16) and with BLOCK_B, a mixed step with
     # a count the startup warm-up had not met compiled two kernels (~0.8 s) inside the step.
     @triton.jit(do_not_specialize=["B"])
-    def _per_head_kernel(x_ptr, w_ptr, out_ptr, B, K, J, stride_xb, stride_xh, stride_wh, stride_wk, stride_wj,
-                         stride_ob, stride_oh, IEEE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_J: tl.constexpr, PDL: tl.constexpr):
+    def _per_head_kernel(x_ptr, w_ptr, out_ptr, gate_ptr, B, K, J, stride_xb, stride_xh, stride_wh, stride_wk,
+                         stride_wj, stride_ob, stride_oh, stride_gb, IEEE: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False):
         """Program (block of sequences, head, block of outputs): out[rows, h, j] = x[rows, h] (rounded
         to the weight's dtype) @ w[h][:, j], any strides on w's two matrix dims, so W_UK [H, nope,
         lora] and W_UV [H, v, lora] (read transposed) both serve. The weight's first K step is
-        loaded before the PDL wait (as in gemv.py)."""
+        loaded before the PDL wait (as in gemv.py). GATE: times sigmoid(gate) (out's layout, its own row stride),
+        each factor rounded to out's dtype first, as Kimi's output gate multiplies them in torch."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         h = tl.program_id(1).to(tl.int64)
         j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -105,11 +106,16 @@ if triton is not None:
                 acc += tl.dot(xv, wv, input_precision="ieee")
             else:
                 acc += tl.dot(xv, wv)
-        tl.store(out_ptr + rows[:, None] * stride_ob + h * stride_oh + j[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & jmask[None, :])
+        at = rows[:, None] * stride_ob + h * stride_oh + j[None, :]
+        y = acc.to(out_ptr.dtype.element_ty)
+        if GATE:
+            g = tl.load(gate_ptr + rows[:, None] * stride_gb + h * stride_oh + j[None, :],
+                        mask=rmask[:, None] & jmask[None, :], other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) * tl.sigmoid(g).to(out_ptr.dtype.element_ty).to(tl.float32)).to(y.dtype)
+        tl.store(out_ptr + at, y, mask=rmask[:, None] & jmask[None, :])
 
     def _per_head(x: torch.Tensor, w: torch.Tensor, k_dim: int, out: torch.Tensor, stride_ob: int, stride_oh: int,
-                  block_j: int) -> torch.Tensor:
+                  block_j: int, gate: torch.Tensor | None = None) -> torch.Tensor:
         """out rows of x [B, H, K] against each head's w[h] with its K dim `k_dim` (1 or 2)."""
         b, h, k = x.shape
         j_dim = 3 - k_dim
@@ -118,19 +124,24 @@ if triton is not None:
         bb = _rows_block(b)
         block_k, block_j = _steps(b, k, block_j)
         _per_head_kernel[(triton.cdiv(b, bb), h, triton.cdiv(w.shape[j_dim], block_j))](
-            x, w, out, b, k, w.shape[j_dim], x.stride(0), x.stride(1), w.stride(0), w.stride(k_dim), w.stride(j_dim),
-            stride_ob, stride_oh, IEEE=w.dtype == torch.float32, BLOCK_B=bb, BLOCK_K=block_k, BLOCK_J=block_j,
-            num_warps=4, num_stages=2, **pdl.launch(x.device))
+            x, w, out, gate if gate is not None else out, b, k, w.shape[j_dim], x.stride(0), x.stride(1), w.stride(0),
+            w.stride(k_dim), w.stride(j_dim), stride_ob, stride_oh, gate.stride(0) if gate is not None else 0,
+            IEEE=w.dtype == torch.float32, BLOCK_B=bb,
+            BLOCK_K=block_k, BLOCK_J=block_j, GATE=gate is not None, num_warps=4, num_stages=2,
+            **pdl.launch(x.device))
         return out
 
     def _absorb_q(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
         return _per_head(x, w, 1, out, out.stride(0), out.stride(1), 64)
 
-    def _absorb_out(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _absorb_out(o: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         h, v = w.shape[:2]
         out = torch.empty(o.shape[0], h * v, dtype=w.dtype, device=o.device)
-        return _per_head(o, w, 2, out, out.stride(0), v, 32)
+        if gate is not None and (gate.shape != out.shape or gate.stride(-1) != 1):
+            raise ValueError(f"output gate {tuple(gate.shape)} {gate.stride()} is not laid out as o_proj's rows "
+                             f"{tuple(out.shape)}")
+        return _per_head(o, w, 2, out, out.stride(0), v, 32, gate)
 
     @torch.library.custom_op("latentserve::mla_absorb_q", mutates_args=())
     def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -142,11 +153,12 @@ if triton is not None:
         return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uk.shape[2])
 
     @torch.library.custom_op("latentserve::mla_absorb_out", mutates_args=())
-    def absorb_out(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    def absorb_out(o_latent: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """o_latent [B, H, kv_lora_rank] (fp32 or the model dtype) against w_uv [H, v, kv_lora_rank]
-        -> [B, H * v] in w_uv's dtype: o_proj's input rows."""
-        return _absorb_out(o_latent, w_uv)
+        -> [B, H * v] in w_uv's dtype: o_proj's input rows; with gate [B, H * v] (any row stride, Kimi's
+        output gate before its sigmoid), those rows times sigmoid(gate)."""
+        return _absorb_out(o_latent, w_uv, gate)
 
     @absorb_out.register_fake
-    def _(o_latent, w_uv):
+    def _(o_latent, w_uv, gate=None):
         return w_uv.new_empty(o_latent.shape[0], o_latent.shape[1] * w_uv.shape[1])

@@ -74,9 +74,10 @@ def spy_replays(g) -> list[tuple[int, int, int]]:
     return seen
 
 
-# The opt-in decode kernels (not yet timed): the KDA step as one kernel, the KDA input projections
-# as one launch, the attention-residual mixes as one kernel each.
-CANDIDATES = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1", "LATENTSERVE_ATTN_RES_KERNEL": "1"}
+# The opt-in decode kernels (not yet timed): the KDA step as one kernel, the input projections as
+# one launch, the attention-residual mixes as one kernel each, MLA's output gate in W_UV's kernel.
+CANDIDATES = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1", "LATENTSERVE_ATTN_RES_KERNEL": "1",
+              "LATENTSERVE_MLA_GATE_IN_KERNEL": "1"}
 
 
 @pytest.mark.parametrize("candidates", [False, True], ids=["defaults", "candidates"])

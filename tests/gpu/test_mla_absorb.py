@@ -29,14 +29,14 @@ def kv_b(heads, nope, v, lora, dtype, seed=0):
     return w, w[:, :nope], w[:, nope:]
 
 
-def attention_layer():
+def attention_layer(**overrides):
     """An fp32 MLA layer (8 heads, kv_lora_rank 64, rope 16, nope and v 32) with random weights, and its config."""
     from service.config import ModelConfig
     from service.model.attention import MLAAttention
     from service.parallel import TPGroup
 
     cfg = ModelConfig(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64,
-                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, hidden_size=128)
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, hidden_size=128, **overrides)
     attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32).to(DEVICE)
     with torch.no_grad():
         for p in attn.parameters():
@@ -266,9 +266,59 @@ def test_attention_decode_ropes_the_query_in_the_kernel(monkeypatch, spy, interl
         theirs = attn(x, cos, sin, meta, theirs_cache)
         assert len(ropes) == 2  # q's rope part, then k_pe
         monkeypatch.setenv("LATENTSERVE_MLA_ROPE_IN_DECODE", "1")
-        assert attn._rope_in_decode(x, meta, cache)
+        assert attn._absorbed_kernels(x, meta, cache) and attn._rope_in_decode()
         ours_cache = cache.clone()
         ours = attn(x, cos, sin, meta, ours_cache)
     assert len(ropes) == 3  # k_pe only: q's is the kernel's
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours_cache, theirs_cache)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_absorb_out_applies_the_output_gate(dtype, tol, batch):
+    """gate (before its sigmoid, a strided view as gemv_multi leaves it): absorb_out's rows times
+    sigmoid(gate), each factor rounded to the model dtype as the torch multiply takes them."""
+    heads, v, lora = 4, 32, 64
+    _, _, w_uv = kv_b(heads, 32, v, lora, dtype, seed=batch)
+    g = torch.Generator().manual_seed(batch)
+    o = torch.randn(batch, heads, lora, generator=g).to(DEVICE)
+    wide = torch.randn(batch, heads * v + 24, generator=g).to(DEVICE, dtype)
+    gate = wide[:, 24:]
+    out = torch.ops.latentserve.mla_absorb_out(o, w_uv, gate)
+    ref = torch.ops.latentserve.mla_absorb_out(o, w_uv) * gate.sigmoid()
+    exact = dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=0 if exact else tol, rtol=1e-6 if exact else tol)
+    with pytest.raises(ValueError, match="output gate"):
+        torch.ops.latentserve.mla_absorb_out(o, w_uv, gate[:, :-1])
+
+
+@pytest.mark.parametrize("merge_out", ["0", "8"], ids=["absorb_out", "merge_out"])
+def test_attention_decode_gates_in_w_uv_kernel(monkeypatch, merge_out):
+    """Kimi's output gate in a decode-only step with LATENTSERVE_MLA_GATE_IN_KERNEL=1: applied in
+    absorb_out's epilogue (with the merge_out candidate on, by the torch multiply after it);
+    output and cache equal to the gate applied before o_proj."""
+    from service.engine.plan import SeqChunk
+    from service.model.attn_metadata import AttnMetadata
+    from service.model.layers import RotaryEmbedding
+
+    attn, cfg = attention_layer(mla_use_output_gate=True)
+    block_size, ctx = 4, [1, 6, 13]
+    chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
+    meta = AttnMetadata.build(chunks, block_size, DEVICE)
+    cache = torch.randn(12, block_size, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    cos, sin = RotaryEmbedding(cfg).to(DEVICE).lookup(meta.positions)
+    absorb_out, gated = torch.ops.latentserve.mla_absorb_out, []
+    monkeypatch.setattr(torch.ops.latentserve, "mla_absorb_out",
+                        lambda o, w, gate=None: gated.append(gate is not None) or absorb_out(o, w, gate))
+    with torch.no_grad():
+        theirs_cache = cache.clone()
+        theirs = attn(x, cos, sin, meta, theirs_cache)
+        monkeypatch.setenv("LATENTSERVE_MLA_GATE_IN_KERNEL", "1")
+        monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", merge_out)
+        ours_cache = cache.clone()
+        ours = attn(x, cos, sin, meta, ours_cache)
+    assert gated == ([False, True] if merge_out == "0" else [False])
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert torch.equal(ours_cache, theirs_cache)
