@@ -1,9 +1,10 @@
 """A KDA layer's whole all-decode step, from its projections to o_proj's input, as one kernel.
 
 Between the input projections and o_proj an all-decode step ran six kernels a KDA layer: f_b's
-projection of f_a's output (folded in here up to `fb_max_rows` rows), the short convs (`kda_ops.decode_conv`, or the compiled layer's gather/cat/write/conv), the zeroing of
-fresh sequences' rows, FLA's `torch.zeros_like` for its output, FLA's fused recurrent step and
-the gated RMS norm (Inductor). Each costs a few microseconds of fixed latency whatever it reads
+projection of f_a's output (folded in here up to `fb_max_rows` rows), the short convs
+(`kda_ops.decode_conv`, or the compiled layer's gather/cat/write/conv), the zeroing of fresh
+sequences' rows, FLA's `torch.zeros_like` for its output, FLA's fused recurrent step and the
+gated RMS norm (Inductor). Each costs a few microseconds of fixed latency whatever it reads
 (bench/notes/batch1-launch-floor.md), and Kimi-K3 has three KDA layers to every MLA one.
 
 Here one program owns (sequence, head): the head's three conv windows (history rows shifted in
