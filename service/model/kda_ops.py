@@ -111,13 +111,31 @@ def decode_conv_enabled() -> bool:
 
 if triton is not None:
     @triton.jit
+    def conv_window(mixed_ptr, conv_ptr, w_ptr, t, row, kept, ch, c, cmask, stride_m, stride_cs, stride_cc, stride_w,
+                    W: tl.constexpr, W_PAD: tl.constexpr):
+        """Channels ch (weight rows c, cmask) of decode token t on history row `row`: the window
+        [history | input] (zeros for history when not `kept`: a sequence at position 0, whose row
+        may hold anything), silu(window . w) in fp32 rounded to the input's dtype, and the history
+        shifted by one as (address, values, mask). The caller stores those after a barrier: lanes
+        read taps that others write. Shared by decode_conv's kernel and kda_step's."""
+        j = tl.arange(0, W_PAD)
+        hist = conv_ptr + row * stride_cs + ch[:, None].to(tl.int64) * stride_cc + j[None, :]
+        window = tl.load(hist, mask=cmask[:, None] & (j < W - 1)[None, :] & kept, other=0.0)
+        shifted = tl.load(hist + 1, mask=cmask[:, None] & (j < W - 2)[None, :] & kept, other=0.0)
+        x = tl.load(mixed_ptr + t * stride_m + ch, mask=cmask, other=0.0)
+        xf = x.to(tl.float32)
+        window = tl.where((j == W - 1)[None, :], xf[:, None], window)
+        shifted = tl.where((j == W - 2)[None, :], xf[:, None], shifted)
+        w = tl.load(w_ptr + c[:, None] * stride_w + j[None, :], mask=cmask[:, None] & (j < W)[None, :], other=0.0)
+        acc = tl.sum(window * w.to(tl.float32), 1)
+        return (acc * tl.sigmoid(acc)).to(x.dtype), hist, shifted, cmask[:, None] & (j < W - 1)[None, :]
+
+    @triton.jit
     def _decode_conv_kernel(mixed_ptr, conv_ptr, rows_ptr, positions_ptr, wq_ptr, wk_ptr, wv_ptr, q_ptr, k_ptr,
                             v_ptr, P, stride_m, stride_cs, stride_cc, stride_w, stride_o,
                             W: tl.constexpr, W_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Program (token, q/k/v, channel block): the window [history | input] of each channel
-        (zeros for a sequence at position 0: its row may hold anything), out = silu(window . w)
-        in fp32 rounded to the input's dtype, and the row's history shifted by one. Every load of
-        the row comes before the barrier, every store after: lanes read taps that others write."""
+        """Program (token, q/k/v, channel block): `conv_window` of its channels, out written, then
+        the row's history shifted. Every load of the row comes before the barrier, every store after."""
         t = tl.program_id(0)
         part = tl.program_id(1)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -130,20 +148,11 @@ if triton is not None:
             w_ptr, o_ptr = wv_ptr, v_ptr
         row = tl.load(rows_ptr + t).to(tl.int64)
         kept = tl.load(positions_ptr + t) != 0
-        ch = part * P + c
-        j = tl.arange(0, W_PAD)
-        hist = conv_ptr + row * stride_cs + ch[:, None].to(tl.int64) * stride_cc + j[None, :]
-        window = tl.load(hist, mask=cmask[:, None] & (j < W - 1)[None, :] & kept, other=0.0)
-        shifted = tl.load(hist + 1, mask=cmask[:, None] & (j < W - 2)[None, :] & kept, other=0.0)
-        x = tl.load(mixed_ptr + t * stride_m + ch, mask=cmask, other=0.0)
-        xf = x.to(tl.float32)
-        window = tl.where((j == W - 1)[None, :], xf[:, None], window)
-        shifted = tl.where((j == W - 2)[None, :], xf[:, None], shifted)
-        w = tl.load(w_ptr + c[:, None] * stride_w + j[None, :], mask=cmask[:, None] & (j < W)[None, :], other=0.0)
-        acc = tl.sum(window * w.to(tl.float32), 1)
-        tl.store(o_ptr + t * stride_o + c, (acc * tl.sigmoid(acc)).to(x.dtype), mask=cmask)
+        out, hist, shifted, taps = conv_window(mixed_ptr, conv_ptr, w_ptr, t, row, kept, part * P + c, c, cmask,
+                                               stride_m, stride_cs, stride_cc, stride_w, W, W_PAD)
+        tl.store(o_ptr + t * stride_o + c, out, mask=cmask)
         tl.debug_barrier()
-        tl.store(hist, shifted, mask=cmask[:, None] & (j < W - 1)[None, :])
+        tl.store(hist, shifted, mask=taps)
 
 
 def _decode_conv(mixed: torch.Tensor, conv: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,

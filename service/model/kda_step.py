@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from . import pdl
+from . import kda_ops, pdl
 from .attn_metadata import AttnMetadata
 
 try:
@@ -82,24 +82,6 @@ def run(layer: torch.nn.Module, x: torch.Tensor, meta: AttnMetadata, state) -> t
 if triton is not None:
 
     @triton.jit
-    def _conv(mixed_ptr, conv_ptr, w_ptr, t, row, kept, ch, c, stride_m, stride_cs, stride_cc, stride_w,
-              W: tl.constexpr, W_PAD: tl.constexpr):
-        """Channels ch (weight rows c) of token t: silu(window . w) rounded to the input's dtype,
-        as fp32, and (address, values) of the row's history shifted by one, stored by the caller
-        after a barrier (lanes read taps that others write)."""
-        j = tl.arange(0, W_PAD)
-        hist = conv_ptr + row * stride_cs + ch[:, None].to(tl.int64) * stride_cc + j[None, :]
-        window = tl.load(hist, mask=(j < W - 1)[None, :] & kept, other=0.0)
-        shifted = tl.load(hist + 1, mask=(j < W - 2)[None, :] & kept, other=0.0)
-        x = tl.load(mixed_ptr + t * stride_m + ch)
-        xf = x.to(tl.float32)
-        window = tl.where((j == W - 1)[None, :], xf[:, None], window)
-        shifted = tl.where((j == W - 2)[None, :], xf[:, None], shifted)
-        w = tl.load(w_ptr + c[:, None] * stride_w + j[None, :], mask=(j < W)[None, :], other=0.0)
-        acc = tl.sum(window * w.to(tl.float32), 1)
-        return (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32), hist, shifted
-
-    @triton.jit
     def _l2_normed(x):
         return x / tl.sqrt(tl.sum(x * x, 0) + 1e-6)
 
@@ -138,16 +120,16 @@ if triton is not None:
         pdl.enter(PDL)
 
         c = h * D + d
-        q, q_hist, q_shifted = _conv(mixed_ptr, conv_ptr, wq_ptr, t, row, kept, c, c, stride_m, stride_cs,
-                                     stride_cc, stride_w, W, W_PAD)
-        k, k_hist, k_shifted = _conv(mixed_ptr, conv_ptr, wk_ptr, t, row, kept, P + c, c, stride_m, stride_cs,
-                                     stride_cc, stride_w, W, W_PAD)
+        every = d < D
+        q, q_hist, q_shifted, taps = kda_ops.conv_window(mixed_ptr, conv_ptr, wq_ptr, t, row, kept, c, c, every,
+                                                         stride_m, stride_cs, stride_cc, stride_w, W, W_PAD)
+        k, k_hist, k_shifted, _ = kda_ops.conv_window(mixed_ptr, conv_ptr, wk_ptr, t, row, kept, P + c, c, every,
+                                                      stride_m, stride_cs, stride_cc, stride_w, W, W_PAD)
         tl.debug_barrier()
-        taps = (tl.arange(0, W_PAD) < W - 1)[None, :]
         tl.store(q_hist, q_shifted, mask=taps)
         tl.store(k_hist, k_shifted, mask=taps)
-        q = _l2_normed(q) * scale
-        k = _l2_normed(k)
+        q = _l2_normed(q.to(tl.float32)) * scale
+        k = _l2_normed(k.to(tl.float32))
         if FB_K > 0:
             f_a = tl.load(g_ptr + t * stride_g + r).to(tl.float32)
             z = tl.sum(w_fb.to(tl.float32) * f_a[None, :], 1).to(mixed_ptr.dtype.element_ty).to(tl.float32) + bias
@@ -166,10 +148,12 @@ if triton is not None:
             state = s_next
             s_next = tl.load(head_state + d[:, None] * D + (cv + BV)[None, :],
                              mask=((cv + BV) < D)[None, :] & kept, other=0.0)
-            v, v_hist, v_shifted = _conv(mixed_ptr, conv_ptr, wv_ptr, t, row, kept, 2 * P + h * D + cv, h * D + cv,
-                                         stride_m, stride_cs, stride_cc, stride_w, W, W_PAD)
+            v, v_hist, v_shifted, v_taps = kda_ops.conv_window(mixed_ptr, conv_ptr, wv_ptr, t, row, kept,
+                                                               2 * P + h * D + cv, h * D + cv, cb < BV, stride_m,
+                                                               stride_cs, stride_cc, stride_w, W, W_PAD)
+            v = v.to(tl.float32)
             tl.debug_barrier()
-            tl.store(v_hist, v_shifted, mask=taps)
+            tl.store(v_hist, v_shifted, mask=v_taps)
             state = state * decay[:, None]
             u = beta * (v - tl.sum(state * k[:, None], 0))
             state = state + k[:, None] * u[None, :]
