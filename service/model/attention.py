@@ -108,8 +108,13 @@ class MLAAttention(nn.Module):
 
     def _absorbed_kernels(self, x: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor | None) -> bool:
         """This step's attention is a decode-only step on the absorbed Triton kernels."""
-        return (kv_cache is not None and not meta.prefill_chunks and meta.decode_context_lens is not None
-                and mla_absorb.supported(x, self.kv_b_proj.weight) and mla_decode.supported(x, kv_cache, self.kv_lora_rank))
+        return kv_cache is not None and not meta.prefill_chunks and self._kernels_take(x, meta, kv_cache)
+
+    def _kernels_take(self, t: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor) -> bool:
+        """The absorb and MLA decode kernels take decodes of t's dtype and device (q, or the layer's
+        input) against this cache."""
+        return (meta.decode_context_lens is not None and mla_absorb.supported(t, self.kv_b_proj.weight)
+                and mla_decode.supported(t, kv_cache, self.kv_lora_rank))
 
     def _rope_in_decode(self) -> bool:
         """On the absorbed kernels, q_pe is roped inside the MLA decode kernel where it is loaded:
@@ -296,8 +301,7 @@ class MLAAttention(nn.Module):
         new = {} if new_kv is None else {"new_kv": new_kv.to(kv_cache.dtype), "new_slots": meta.slot_mapping}
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
-        if (meta.decode_context_lens is not None and mla_absorb.supported(q, w)
-                and mla_decode.supported(q, kv_cache, self.kv_lora_rank)):
+        if self._kernels_take(q, meta, kv_cache):
             # Four kernels (three at one split) where the bmm path took seven (mla_absorb.py):
             # q_latent and q_pe go to the attention kernel as two inputs, its fp32 output to o_proj's rows.
             q_latent = torch.ops.latentserve.mla_absorb_q(q[..., : self.nope], w_uk)
