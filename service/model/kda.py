@@ -349,7 +349,7 @@ class KimiDeltaAttention(KeepFloat32, nn.Module):
         heads, d], beta_raw [B, heads] -> o [B, heads, d], the rows' recurrent state advanced."""
         b, heads, d = q.shape[0], self.num_heads, self.head_dim
         rec = state.recurrent
-        if rec.dtype != torch.float32 or rec.stride()[1:] != (d * d, d, 1):
+        if not kda_ops.state_rows_fit(rec, d):
             raise ValueError("FLA's KDA kernels need float32 recurrent rows, contiguous within a row")
         return fla_decode(q.view(b, heads, d), k.view(b, heads, d), v.view(b, heads, d), g_raw.view(b, heads, d),
                           beta_raw.view(b, heads), self.A_log, self.dt_bias, rec, rows, positions, d ** -0.5,

@@ -47,6 +47,13 @@ def fla_kda() -> SimpleNamespace | None:
     return SimpleNamespace(chunk_kda=chunk_kda, fused_recurrent_kda_fwd=fused_recurrent_kda_fwd)
 
 
+def state_rows_fit(recurrent: torch.Tensor, head_dim: int) -> bool:
+    """Recurrent rows [S, H, D, D] as the decode kernels (FLA's and kda_step's) index them: float32,
+    contiguous within a row."""
+    d = head_dim
+    return recurrent.dtype == torch.float32 and recurrent.stride()[1:] == (d * d, d, 1)
+
+
 @torch.compiler.assume_constant_result
 def fla_available() -> bool:
     """fla_kda() is not None; a constant to dynamo (it would otherwise trace the import)."""

@@ -52,8 +52,7 @@ def supported(x: torch.Tensor, recurrent: torch.Tensor, head_dim: int) -> bool:
     if triton is None or not (x.is_cuda or INTERPRET):
         return False
     d = head_dim
-    return (16 <= d <= 128 and d & (d - 1) == 0 and recurrent.dtype == torch.float32
-            and recurrent.stride()[1:] == (d * d, d, 1))
+    return 16 <= d <= 128 and d & (d - 1) == 0 and kda_ops.state_rows_fit(recurrent, d)
 
 
 def fits(layer: torch.nn.Module, x: torch.Tensor, meta: AttnMetadata, state) -> bool:
