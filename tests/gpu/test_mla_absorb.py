@@ -123,6 +123,22 @@ def absorbed_decode_case():
     return attn, q, kv, meta
 
 
+def decode_step(cfg):
+    """A step of 3 decodes (contexts 1, 6, 13 in blocks of 4) for an attention_layer: its metadata,
+    a cache (random, so every slot holds something), the layer input and its rope tables."""
+    from service.engine.plan import SeqChunk
+    from service.model.attn_metadata import AttnMetadata
+    from service.model.layers import RotaryEmbedding
+
+    block_size, ctx = 4, [1, 6, 13]
+    chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
+    meta = AttnMetadata.build(chunks, block_size, DEVICE)
+    cache = torch.randn(12, block_size, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    cos, sin = RotaryEmbedding(cfg).to(DEVICE).lookup(meta.positions)
+    return meta, cache, x, cos, sin
+
+
 def test_absorbed_decode_through_the_kernels_equals_the_bmm_path(monkeypatch):
     """MLAAttention._absorbed_decode on the kernels against LATENTSERVE_MLA_ABSORB=0 (bmm's, cat)."""
     attn, q, kv, meta = absorbed_decode_case()
@@ -196,18 +212,8 @@ def test_decode_writes_the_new_token_and_attends_it(splits):
 def test_attention_decode_writes_kv_in_the_kernel(monkeypatch):
     """MLAAttention.forward on a step of decodes: the kernel's own KV write equals write_kv's
     (LATENTSERVE_MLA_WRITE_KV=0) in output and cache."""
-    from service.engine.plan import SeqChunk
-    from service.model.attn_metadata import AttnMetadata
-    from service.model.layers import RotaryEmbedding
-
     attn, cfg = attention_layer()
-    block_size, ctx = 4, [1, 6, 13]
-    chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
-    meta = AttnMetadata.build(chunks, block_size, DEVICE)
-    cache = torch.randn(12, block_size, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    rope = RotaryEmbedding(cfg).to(DEVICE)
-    cos, sin = rope.lookup(meta.positions)
+    meta, cache, x, cos, sin = decode_step(cfg)
     assert attn._decode_writes_kv(torch.empty(3, 8, 48, device=DEVICE), cache, meta)
     with torch.no_grad():
         ours_cache = cache.clone()
@@ -247,19 +253,11 @@ def test_decode_ropes_the_query_where_it_loads_it(interleave, splits):
 def test_attention_decode_ropes_the_query_in_the_kernel(monkeypatch, spy, interleave):
     """MLAAttention.forward on a step of decodes with LATENTSERVE_MLA_ROPE_IN_DECODE=1: the
     project step leaves q unroped and the decode kernel ropes it; output and cache equal."""
-    from service.engine.plan import SeqChunk
     from service.model import attention
-    from service.model.attn_metadata import AttnMetadata
-    from service.model.layers import RotaryEmbedding
 
     attn, cfg = attention_layer()
     attn.interleave = interleave
-    block_size, ctx = 4, [1, 6, 13]
-    chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
-    meta = AttnMetadata.build(chunks, block_size, DEVICE)
-    cache = torch.randn(12, block_size, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    cos, sin = RotaryEmbedding(cfg).to(DEVICE).lookup(meta.positions)
+    meta, cache, x, cos, sin = decode_step(cfg)
     ropes = spy(attention, "apply_rope")
     with torch.no_grad():
         theirs_cache = cache.clone()
@@ -298,17 +296,8 @@ def test_attention_decode_gates_in_w_uv_kernel(monkeypatch, merge_out):
     """Kimi's output gate in a decode-only step with LATENTSERVE_MLA_GATE_IN_KERNEL=1: applied in
     absorb_out's epilogue (with the merge_out candidate on, by the torch multiply after it);
     output and cache equal to the gate applied before o_proj."""
-    from service.engine.plan import SeqChunk
-    from service.model.attn_metadata import AttnMetadata
-    from service.model.layers import RotaryEmbedding
-
     attn, cfg = attention_layer(mla_use_output_gate=True)
-    block_size, ctx = 4, [1, 6, 13]
-    chunks = [SeqChunk(i, [5], n - 1, [i * 4 + j for j in range(4)], True, i) for i, n in enumerate(ctx)]
-    meta = AttnMetadata.build(chunks, block_size, DEVICE)
-    cache = torch.randn(12, block_size, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    cos, sin = RotaryEmbedding(cfg).to(DEVICE).lookup(meta.positions)
+    meta, cache, x, cos, sin = decode_step(cfg)
     absorb_out, gated = torch.ops.latentserve.mla_absorb_out, []
     monkeypatch.setattr(torch.ops.latentserve, "mla_absorb_out",
                         lambda o, w, gate=None: gated.append(gate is not None) or absorb_out(o, w, gate))
