@@ -31,3 +31,11 @@ def skip_interpreted_16bit_dot(dtype: torch.dtype) -> None:
     off on 16x16), so kernels that reach tl.dot are checked in fp32 there and in bf16 on a GPU."""
     if INTERPRET and dtype != torch.float32:
         pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
+
+
+@torch.no_grad()
+def fill_random(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Every parameter of a layer under test from `generator`, in name order: matrices scaled by
+    1/sqrt(fan-in), vectors by 1/4, so outputs stay O(1) through a layer's projections."""
+    for _, p in sorted(module.named_parameters()):
+        p.copy_(torch.randn(p.shape, generator=generator) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 4))

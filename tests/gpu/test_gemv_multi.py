@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
+from kernel_env import DEVICE, fill_random, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
 
 require_kernel_device()
 
@@ -67,9 +67,7 @@ def test_kda_layer_reads_its_input_in_one_launch(preset, tokens, monkeypatch, sp
         cfg = dataclasses.replace(cfg, linear_attn_config={**cfg.linear_attn_config, "use_full_rank_gate": False})
     layer = KimiDeltaAttention(cfg, TPGroup.single(), 0, torch.float32)
     g = torch.Generator().manual_seed(tokens)
-    with torch.no_grad():
-        for _, p in sorted(layer.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 4))
+    fill_random(layer, g)
     layer = layer.to(DEVICE).eval()
     layer.backend = "torch"
     meta = AttnMetadata.build([SeqChunk(i, [0], 3 * i + 1, [], state_slot=i + 1) for i in range(tokens)], 16, DEVICE)
@@ -105,9 +103,7 @@ def test_mla_layer_reads_its_down_projection_and_gate_in_one_launch(tokens, monk
                       mla_use_output_gate=True, mla_use_nope=True)
     attn = MLAAttention(cfg, TPGroup.single(), 0, torch.float32)
     g = torch.Generator().manual_seed(tokens)
-    with torch.no_grad():
-        for _, p in sorted(attn.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 4))
+    fill_random(attn, g)
     attn = attn.to(DEVICE).eval()
     x = torch.randn(tokens, cfg.hidden_size, generator=g).to(DEVICE)
     no_rope = torch.empty(tokens, 8, device=DEVICE)  # NoPE: never read

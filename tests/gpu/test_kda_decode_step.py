@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kda_reference import decode_step
-from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, INTERPRET, fill_random, kernel_marks, require_kernel_device
 
 require_kernel_device()
 
@@ -116,9 +116,7 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, monk
     cfg = dataclasses.replace(cfg, linear_attn_config={**cfg.linear_attn_config, **extra})
     layer = KimiDeltaAttention(cfg, TPGroup.single(), 0, torch.float32)
     g = torch.Generator().manual_seed(len(preset))
-    with torch.no_grad():
-        for _, p in sorted(layer.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 4))
+    fill_random(layer, g)
     layer = layer.to(DEVICE).eval()
     gs = torch.Generator().manual_seed(7)
     ref_state = KDAState(**{k: torch.randn((6, *shape), generator=gs).to(DEVICE, dt)
