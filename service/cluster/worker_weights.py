@@ -79,6 +79,9 @@ class RankWeights:
                     checkpoint.load_weights(self.model, self.config.model_config, self.tp, [(name, tensor)])
                     received += tensor.numel() * tensor.element_size()
                 report = self._weights_loaded(version, t0, [m.name for m in tmetas])
+        except BaseException as e:
+            group.abandon(f"rank {self.rank} gave up: {type(e).__name__}: {e}")
+            raise
         finally:
             group.close()
         report["bytes"] = received

@@ -11,6 +11,7 @@ model of many small tensors costs few broadcasts.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ class SyncGroup:
         else:
             self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
         self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
         self.device = torch.device(device)
 
     def _broadcast(self, buf: torch.Tensor) -> None:
@@ -95,6 +98,7 @@ class SyncGroup:
                               for m in bucket])
             self._broadcast(flat)
             sent += flat.numel()
+        self._leave()
         return sent
 
     def receive(self, metas: list[TensorMeta], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -107,6 +111,39 @@ class SyncGroup:
                 t = flat[off:off + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape)
                 off += m.nbytes
                 yield m.name, t
+        self._leave()
+
+    def _leave(self) -> None:
+        """Every member's collectives are complete before any member closes its group: gloo fails an op
+        still pending on a pair whose peer has closed ("Connection closed by peer"), so a rank that
+        closes as soon as its last bucket arrives can fail the trainer's broadcast of that bucket."""
+        everyone = range(self.world_size)
+        self.store.set(f"done/{self.rank}", "1")
+        self._await([f"done/{r}" for r in everyone])
+        if self.rank:  # the trainer hosts the store: it closes last
+            self.store.set(f"left/{self.rank}", "1")
+        else:
+            self._await([f"left/{r}" for r in everyone if r])
+
+    def _await(self, keys: list[str]) -> None:
+        """Until every key is set; a member that gave up (abandon) ends the wait at once with its reason."""
+        others = [f"failed/{r}" for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check(keys):  # polled: a timed-out store.wait logs a warning each time
+            for key in others:
+                if self.store.check([key]):
+                    raise RuntimeError(f"weight sync: {self.store.get(key).decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight sync: {keys} not all set within {self.timeout}")
+            time.sleep(0.005)
+
+    def abandon(self, reason: str) -> None:
+        """Tell the other members this one gave up (their wait to leave ends with `reason`), then close."""
+        try:
+            self.store.set(f"failed/{self.rank}", reason[:2000])
+        except Exception:  # the store's host may be gone already; closing is all that is left
+            pass
+        self.close()
 
     def close(self) -> None:
         self.pg = None
@@ -159,10 +196,14 @@ def push_via_group(client, named_tensors, *, host: str = "127.0.0.1", port: int 
             raise box["error"]
     if "group_error" in box:
         raise box["group_error"]
-    import time
-
     t0 = time.perf_counter()
-    sent = box["group"].send(named, metas, bucket_bytes)
+    try:
+        sent = box["group"].send(named, metas, bucket_bytes)
+    except Exception as e:  # the service's own account of the failure says more than gloo's
+        box["group"].abandon(f"the trainer's broadcast failed: {e}")
+        http.join(min(timeout_s, 30.0))
+        raise RuntimeError(f"weight sync broadcast failed: {e}; the service answered: "
+                           f"{box.get('error') or box.get('response') or 'nothing yet'}") from e
     seconds = time.perf_counter() - t0
     http.join(timeout_s)
     box["group"].close()
