@@ -5,11 +5,13 @@
 # prefill with its variants, then HTTP serving at 64 and 256 streams with the engine's step
 # phases) ~400 s. `all` runs the bench first, so a short budget still measures. `sweeps` (a call
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
-# own shape, and the GEMV at 128 and 256 rows.
+# own shape, and the GEMV at 128 and 256 rows. `k3_tests` is the gate for Kimi-K3's step kernel as
+# a default: greedy tokens in CUDA graphs against eager with the K3 switches on, and the KDA
+# layer's graph replays (run 50 gave it 135 s, too few for the cold compile).
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +37,7 @@ commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ech
 if { [ "$what" = bench ] || [ "$what" = all ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines pair_slots,merge_out,candidates_b1,absorb_wide_k,select_lean,slot_norm,gemv_256,rope_in_decode \
+    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines merge_out_off,absorb_narrow_k,pair_slots,gemv_256,select_lean,slot_norm,rope_in_decode \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
@@ -62,22 +64,27 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
-  # The K3 candidates, most telling first: none; the whole KDA step as one kernel (no FLA), the
-  # input projections as one launch, the attention-residual mixes as one kernel each and MLA's
-  # output gate in W_UV's kernel; the first two alone; the short convs alone as one kernel
-  # before FLA's step (with the projections).
-  runs=("none:" "all:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1 LATENTSERVE_ATTN_RES_KERNEL=1 LATENTSERVE_MLA_GATE_IN_KERNEL=1"
-        "step_multi:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1"
-        "conv_multi:LATENTSERVE_KDA_DECODE_CONV=1 LATENTSERVE_GEMV_MULTI=1"); n=${#runs[@]}
+  # The K3 candidates against none, in one call: the whole KDA step as one kernel (no FLA) with the
+  # input projections as one launch (run 47: 0.94 / 0.96 / 0.93x of the convs-alone candidate at
+  # batch 1 / 8 / 64, its own "none" out of time); that plus the attention-residual mixes as one
+  # kernel each and MLA's output gate in W_UV's kernel. The first build compiles everything cold:
+  # run 47's first, given a quarter of 540 s, ran out of time, so it gets half.
+  runs=("none:" "step_multi:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1"
+        "all:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1 LATENTSERVE_ATTN_RES_KERNEL=1 LATENTSERVE_MLA_GATE_IN_KERNEL=1")
+  n=${#runs[@]}
   for i in "${!runs[@]}"; do
     tag=${runs[$i]%%:*}
+    t=$(( $(left) / (n - i) - 10 )); [ "$i" = 0 ] && t=$(( $(left) / 2 ))
     # shellcheck disable=SC2086 # the env assignments split on purpose
-    env ${runs[$i]#*:} timeout "$(( $(left) / (n - i) - 10 ))" \
+    env ${runs[$i]#*:} timeout "$t" \
       python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail --batches 1,8,64 \
       --profile-batches 1,64 --json "$OUT/k3graphs_$tag.json" > "$OUT/k3graphs_$tag.log" 2>&1
     echo "== k3graphs $tag rc=$?"
     grep -E "k3-small decode|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs_$tag.log" | cut -c1-300 | head -40
   done
+fi
+if [ "$what" = k3_tests ]; then
+  group k3_tests "$(left)" tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # 300 s: run 37 (2026-12-04) took 149 s for four of these files alone on a cold machine; run 44

@@ -267,7 +267,9 @@ if triton is not None:
         """Launch shape from 2 rows: the rows padded to a 16-row (or larger) tensor-core tile, so a
         weight tile costs the same registers at 16 rows as at 2 (the register product's grow with
         the rows: 18.7 us at 8 rows where cuBLAS took 6.2). K steps shrink until a stage's x and
-        weight tiles fit 48 KB (4 stages in the H200's 227 KB of shared memory)."""
+        weight tiles fit 40 KB: Triton keeps 5 of them at 4 stages (the first weight tile, loaded
+        before the PDL wait, has its own), 200 KB of the H200's 227. At 48 KB the 64-row x
+        32-output tiles of `gemv_256` needed 240 KB and failed to launch (run 47)."""
         bm, bn = rows_tile(m, True), max(16, block_n(n, sms))
         if m > bm:
             # Above 64 rows, blocks of 64 rows (LATENTSERVE_GEMV_MAX_ROWS=256: bench/gpu.py's
@@ -283,7 +285,7 @@ if triton is not None:
             return {"BLOCK_N": 32, "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))), "num_warps": 4,
                     "num_stages": 3 if bm > 16 else 4, "DOT": True}
         bk = max(16, min(256, triton.next_power_of_2(k)))
-        while bk > 32 and (bm + bn) * bk * itemsize > 48 * 1024:
+        while bk > 32 and (bm + bn) * bk * itemsize > 40 * 1024:
             bk //= 2
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4, "DOT": True}
 

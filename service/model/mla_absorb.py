@@ -54,11 +54,13 @@ def _rows_block(batch: int) -> int:
 def wide_k_max_rows() -> int:
     """Up to this many sequences a program reads its head's weight slice in K steps of up to 256
     (W_UK's 128: all of it) rather than 64, the first before the PDL wait, as the one-row GEMV's
-    whole-K slices do since run 39 (0.95x at batch 1). LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS; 0
-    by default until timed (bench/gpu.py's `absorb_wide_k`). 16 at most: sm_90 compiles of a
-    16-row block hold 112 (W_UK) and 200 (W_UV, fp32 input) registers without spills; W_UV's
-    whole 512 in one step spills 380 bytes."""
-    return min(16, int(os.environ.get("LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS", "0")))
+    whole-K slices do since run 39 (0.95x at batch 1). LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS (0:
+    64-wide steps throughout, bench/gpu.py's `absorb_narrow_k`); 16 by default since run 47
+    (2026-12-05, H200): the decode step at batch 8 took 3.060 ms with it, 3.148 without in the same
+    run (0.97x), batch 1 1.732 against run 46's 1.795. 16 at most: sm_90 compiles of a 16-row block
+    hold 112 (W_UK) and 200 (W_UV, fp32 input) registers without spills; W_UV's whole 512 in one
+    step spills 380 bytes."""
+    return min(16, int(os.environ.get("LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS", "16")))
 
 
 def _steps(batch: int, k: int, block_j: int) -> tuple[int, int]:

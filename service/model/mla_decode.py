@@ -293,10 +293,12 @@ if triton is not None:
 
 def merge_out_max_rows() -> int:
     """Up to this many sequences the split merge and `absorb_out` are one kernel (`merge_out`),
-    one launch fewer a layer (LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS; 0: never. Opt-in until timed,
-    bench/gpu.py's `merge_out`: at batch 1 the merge took 2.2 us a layer and absorb_out 5.2
-    without PDL, run 45, for 64 KB and 2 MB)."""
-    return int(os.environ.get("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "0"))
+    one launch fewer a layer (LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS; 0: never, bench/gpu.py's
+    `merge_out_off`). One by default since run 47 (2026-12-05, H200): batch 1 1.674 ms, 0.95x of
+    the same run's step without it (1.770, that build's one other change acting at one row); up to
+    8 rows batch 8 took 3.271 ms against 3.148 (1.04x), each program then reading W_UV's slice
+    for its one sequence."""
+    return int(os.environ.get("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "1"))
 
 
 def merge_out(o: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:

@@ -174,6 +174,7 @@ def test_absorbed_decode_merges_through_w_uv(monkeypatch, spy):
     the one merge + W_UV kernel equals the merge and absorb_out kernels."""
     attn, q, kv, meta = absorbed_decode_case()
     with torch.no_grad():
+        monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "0")
         separate = attn._absorbed_decode(q, kv, meta)
         monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "8")
         calls = spy(mla_decode, "merge_out")
