@@ -38,6 +38,26 @@ def test_errors_after_a_good_first_call_propagate(fresh):
     assert moe_kernels.failure() is None and moe_kernels.enabled()
 
 
+def test_a_later_launch_shape_that_cannot_build_turns_the_kernels_off(fresh):
+    """Triton compiles each new launch shape at its first launch; one over the GPU's shared memory
+    (run 47: the GEMV at 256 rows) fails after smaller shapes ran. The step falls back to torch."""
+
+    class TritonError(Exception):
+        pass
+
+    class OutOfResources(TritonError):  # triton.runtime.errors' class, by name
+        pass
+
+    def op(rows):
+        if rows > 64:
+            raise OutOfResources("out of resource: shared memory, Required: 245760, Hardware limit: 232448")
+        return rows
+
+    assert moe_kernels.call(op, 8) == 8
+    assert moe_kernels.call(op, 256) is None
+    assert "shared memory" in moe_kernels.failure() and not moe_kernels.enabled()
+
+
 def test_compiled_callers_do_not_guard_on_which_ops_ran(fresh):
     """Decode graphs capture compiled layers after eager calls (lm_head's GEMV) verified an op:
     code traced before that must still match, or the capture recompiles (and on the H200 that
