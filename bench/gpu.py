@@ -288,38 +288,74 @@ def bench_k3(args, bw: float) -> None:
     llm.shutdown()
 
 
+# Kimi-K3's decode candidates, timed in one process against `none` (the defaults): each build
+# after the first finds Inductor's and Triton's caches warm, where a process each recompiled cold
+# (run 48: `none`, first, ran out of a quarter of the call).
+K3_STEP = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1"}
+K3_CONFIGS = {"none": {}, "step_multi": K3_STEP,
+              "all": {**K3_STEP, "LATENTSERVE_ATTN_RES_KERNEL": "1", "LATENTSERVE_MLA_GATE_IN_KERNEL": "1"},
+              "conv_multi": {"LATENTSERVE_KDA_DECODE_CONV": "1", "LATENTSERVE_GEMV_MULTI": "1"}}
+
+
 def bench_k3_graphs(args, bw: float) -> None:
-    """K3_SMALL: decode step through the CUDA graphs and eagerly, same engine, same steps."""
+    """K3_SMALL: decode step through the CUDA graphs and eagerly, same engine, same steps, for each
+    of --k3-configs (K3_CONFIGS), the ratios against the first in the same run."""
+    out = {"overrides": K3_SMALL}
+    first = None
+    for name in args.k3_configs:
+        try:  # a failing candidate costs its own rows only
+            with switches(K3_CONFIGS[name]):
+                out[name] = k3_graphs_rows(args, bw, name)
+        except Exception as e:  # noqa: BLE001
+            log(f"k3-small {name} failed: {type(e).__name__}: {str(e)[:300]}")
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            continue
+        first = first or name
+        for row, base in zip(out[name]["decode"], out[first]["decode"]):
+            row[f"over_{first}"] = row["graph_ms"] / base["graph_ms"]
+        log(f"k3-small {name} over {first} (graph ms): "
+            f"{ {r['batch']: round(r[f'over_{first}'], 3) for r in out[name]['decode']} }")
+    RESULTS["k3graphs"] = out
+
+
+def k3_graphs_rows(args, bw: float, name: str) -> dict:
     batches = [b for b in args.batches if b <= 64]
+    torch._dynamo.reset()  # the switches are read while dynamo traces (decode_llm)
     llm = make_llm(args.device, K3_SMALL, "k3", max_num_seqs=max(batches), cuda_graph_batch_sizes=batches,
                    kv_cache_memory_bytes=2 * GIB)
-    fill_caches(llm)
-    worker, rows = llm.executor.rank0, []
-    graphs = worker.decode_graphs
-    nan = float("nan")
-    for batch in batches:
-        chunks = decode_chunks(batch, args.context, llm.config.block_size)
-        floor = step_floor_bytes(worker, chunks)
-        need = step_bytes(floor)
-        plan = StepPlan(chunks)
-        with torch.inference_mode():
-            graph_ms = nan
-            if graphs is not None:
-                worker.execute(plan)
-                graph_ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
-            with eager(worker):
-                worker.execute(plan)
-                eager_ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
-        row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": graph_ms, "eager_ms": eager_ms,
-               "speedup": eager_ms / graph_ms, "floor_fraction": need / bw * 1e3 / min(graph_ms, eager_ms)}
-        if graphs is not None and batch in args.profile_batches:  # where a K3 step's kernels go, KDA layers too
-            prof = profile_replay(graphs, batch, len(worker.model.layers))
-            print(prof["table"], flush=True)
-            row["kernels_per_layer"] = prof["kernels_per_layer"]
-        rows.append(row)
-        log(f"k3-small decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
-    RESULTS["k3graphs"] = {"overrides": K3_SMALL, "graphs": graphs.stats() if graphs else "off", "decode": rows}
-    llm.shutdown()
+    try:
+        fill_caches(llm)
+        worker, rows = llm.executor.rank0, []
+        graphs = worker.decode_graphs
+        nan = float("nan")
+        for batch in batches:
+            chunks = decode_chunks(batch, args.context, llm.config.block_size)
+            floor = step_floor_bytes(worker, chunks)
+            need = step_bytes(floor)
+            plan = StepPlan(chunks)
+            with torch.inference_mode():
+                graph_ms = nan
+                if graphs is not None:
+                    worker.execute(plan)
+                    graph_ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+                with eager(worker):
+                    worker.execute(plan)
+                    eager_ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
+            row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": graph_ms,
+                   "eager_ms": eager_ms, "speedup": eager_ms / graph_ms,
+                   "floor_fraction": need / bw * 1e3 / min(graph_ms, eager_ms)}
+            if graphs is not None and batch in args.profile_batches:  # where a K3 step's kernels go
+                prof = profile_replay(graphs, batch, len(worker.model.layers))
+                print(f"k3-small {name}, batch {batch}:\n{prof['table']}", flush=True)
+                row["kernels_per_layer"] = prof["kernels_per_layer"]
+            rows.append(row)
+            log(f"k3-small decode {name} batch {batch}: "
+                f"{json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
+        return {"env": K3_CONFIGS[name], "graphs": graphs.stats() if graphs else "off", "decode": rows}
+    finally:
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
 
 
 def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
@@ -887,15 +923,18 @@ def print_table(args, bw: float) -> None:
         for r in k3["decode"]:
             print(f"  batch {r['batch']:4d}: floor {r['floor_ms']:.3f} ms, eager {r['eager_ms']:.3f} ms, "
                   f"floor/step {r['floor_fraction']:.3f}, {r['bytes'] / 1e9:.2f} GB read")
-    k3g = RESULTS.get("k3graphs")
-    if k3g:
-        stats = k3g["graphs"]
+    k3g = RESULTS.get("k3graphs") or {}
+    for name, res in k3g.items():
+        if name == "overrides" or "decode" not in res:
+            continue
+        stats = res["graphs"]
         compiled = stats.get("compiled_layers") if isinstance(stats, dict) else stats
-        print(f"Kimi-K3 structure at small widths (K3_SMALL: 24 layers, 18 KDA + 6 MLA), ctx {args.context}, "
-              f"graphs vs eager; compiled layers {compiled}:")
-        for r in k3g["decode"]:
+        print(f"Kimi-K3 structure at small widths (K3_SMALL: 24 layers, 18 KDA + 6 MLA), {name} {res['env']}, "
+              f"ctx {args.context}, graphs vs eager; compiled layers {compiled}:")
+        for r in res["decode"]:
+            over = "".join(f", {k} {v:.3f}x" for k, v in r.items() if k.startswith("over_"))
             print(f"  batch {r['batch']:4d}: floor {r['floor_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms, eager "
-                  f"{r['eager_ms']:.3f} ms, speedup {r['speedup']:.2f}x, floor/step {r['floor_fraction']:.3f}")
+                  f"{r['eager_ms']:.3f} ms, speedup {r['speedup']:.2f}x, floor/step {r['floor_fraction']:.3f}{over}")
     print_prefill()
     for name, err in RESULTS.get("errors", {}).items():
         print(f"section {name} FAILED: {err.strip().splitlines()[-1]}")
@@ -921,6 +960,8 @@ def main() -> None:
                     help="graph replays profiled (kernels per layer), in every compile mode")
     ap.add_argument("--eager-profile-batches", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="eager steps profiled (the compiled layers are not used there)")
+    ap.add_argument("--k3-configs", default="none", type=lambda s: [x for x in s.split(",") if x],
+                    help=f"k3graphs: comma list of {','.join(K3_CONFIGS)}, the first the others' baseline")
     ap.add_argument("--baselines", default=",".join(BASELINES), type=lambda s: [x for x in s.split(",") if x],
                     help="in-run baselines of the decode section (names in BASELINES)")
     ap.add_argument("--context", type=int, default=1024)

@@ -64,24 +64,16 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
-  # The K3 candidates against none, in one call: the whole KDA step as one kernel (no FLA) with the
-  # input projections as one launch (run 47: 0.94 / 0.96 / 0.93x of the convs-alone candidate at
-  # batch 1 / 8 / 64, its own "none" out of time); that plus the attention-residual mixes as one
-  # kernel each and MLA's output gate in W_UV's kernel. The first build compiles everything cold:
-  # run 47's first, given a quarter of 540 s, ran out of time, so it gets half.
-  runs=("none:" "step_multi:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1"
-        "all:LATENTSERVE_KDA_DECODE_STEP=1 LATENTSERVE_GEMV_MULTI=1 LATENTSERVE_ATTN_RES_KERNEL=1 LATENTSERVE_MLA_GATE_IN_KERNEL=1")
-  n=${#runs[@]}
-  for i in "${!runs[@]}"; do
-    tag=${runs[$i]%%:*}
-    t=$(( $(left) / (n - i) - 10 )); [ "$i" = 0 ] && t=$(( $(left) / 2 ))
-    # shellcheck disable=SC2086 # the env assignments split on purpose
-    env ${runs[$i]#*:} timeout "$t" \
-      python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail --batches 1,8,64 \
-      --profile-batches 1,64 --json "$OUT/k3graphs_$tag.json" > "$OUT/k3graphs_$tag.log" 2>&1
-    echo "== k3graphs $tag rc=$?"
-    grep -E "k3-small decode|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs_$tag.log" | cut -c1-300 | head -40
-  done
+  # The K3 candidates against none (the defaults) in one process (bench/gpu.py's K3_CONFIGS): the
+  # builds after the first find the compile caches warm. Run 48 ran a process each, and the cold
+  # first (`none`) ran out of its quarter of the call. `step_multi`: the KDA step as one kernel (no
+  # FLA) and the input projections as one launch (run 48: 0.93-0.96x of `conv_multi`); `all`: that
+  # plus the attention-residual mixes as one kernel each and MLA's output gate in W_UV's kernel.
+  timeout "$(( $(left) - 10 ))" python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail \
+    --batches 1,8,64 --profile-batches 1,64 --k3-configs none,step_multi,all --json "$OUT/k3graphs.json" \
+    > "$OUT/k3graphs.log" 2>&1
+  echo "== k3graphs rc=$?"
+  grep -E "k3-small|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs.log" | cut -c1-300 | head -80
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
