@@ -182,15 +182,24 @@ def _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_w
             or (f_b is not None and not fb_fits(f_b, p))):
         raise ValueError(f"KDA decode step: mixed {tuple(mixed.shape)}, raw_g {tuple(raw_g.shape)}, raw_beta "
                          f"{tuple(raw_beta.shape)}, gate {tuple(gate.shape)}{fb} do not fit {heads} heads of {d}")
-    width = wq.shape[-1]
+    width, bv = wq.shape[-1], block_cols(b)
     _step_kernel[(b, heads)](
         mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions, out,
         f_b if f_b is not None else mixed, p, mixed.stride(0), conv.stride(0), conv.stride(1), wq.stride(0),
         raw_g.stride(0), raw_beta.stride(0), gate.stride(0), recurrent.stride(0), out.stride(0),
         f_b.stride(0) if f_b is not None else 0, scale, lower_bound if lower_bound is not None else 0.0, eps,
-        D=d, BV=min(d, BV), W=width, W_PAD=triton.next_power_of_2(width), BOUNDED=lower_bound is not None,
-        FB_K=g_width if f_b is not None else 0, num_warps=4, **pdl.launch(mixed.device))
+        D=d, BV=min(d, bv), W=width, W_PAD=triton.next_power_of_2(width), BOUNDED=lower_bound is not None,
+        FB_K=g_width if f_b is not None else 0, num_warps=max(4, min(d, bv) // 8), **pdl.launch(mixed.device))
     return out
+
+
+def block_cols(rows: int) -> int:
+    """Value columns a step of the state loop: 32 on 4 warps; up to LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS
+    rows (0 by default: a candidate, not yet timed) 64 on 8 warps. Run 48: at one sequence the
+    kernel is latency, 13.6 us for 16 programs walking their four blocks in turn, and 64 halves the
+    walk. sm_90: 185 registers a thread on 8 warps, no spills (144 at 32 on 4), so one program an
+    SM where 32 fits three: a loss once the programs outnumber the SMs."""
+    return 2 * BV if rows <= int(os.environ.get("LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS", "0")) else BV
 
 
 def fb_max_rows() -> int:

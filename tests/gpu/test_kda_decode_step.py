@@ -43,10 +43,15 @@ def draw(heads: int, d: int, width: int, dtype: torch.dtype, seed: int) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
-@pytest.mark.parametrize("heads,d,width,f_b", [(3, 32, 4, False), (2, 128, 4, False), (4, 16, 3, False),
-                                               (2, 128, 4, True), (3, 32, 4, True)])
-def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width, f_b):
-    """f_b: the kernel projects f_a's output through f_b's rows itself (K = d, as KDA's f_a)."""
+@pytest.mark.parametrize("heads,d,width,f_b,wide", [(3, 32, 4, False, False), (2, 128, 4, False, False),
+                                                    (4, 16, 3, False, False), (2, 128, 4, True, False),
+                                                    (3, 32, 4, True, False), (2, 128, 4, False, True),
+                                                    (2, 128, 4, True, True)])
+def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width, f_b, wide, monkeypatch):
+    """f_b: the kernel projects f_a's output through f_b's rows itself (K = d, as KDA's f_a). wide:
+    64-column blocks on 8 warps (LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS), two of them a head."""
+    monkeypatch.setenv("LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS", "64" if wide else "0")
+    assert kda_step.block_cols(B) == (64 if wide else 32)
     case = draw(heads, d, width, dtype, seed=heads * d + width)
     eps = 1e-5
     g = torch.Generator().manual_seed(d)
