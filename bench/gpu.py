@@ -296,7 +296,10 @@ K3_CONFIGS = {"none": {}, "step_multi": K3_STEP,
               # the step kernel's state in 64-column blocks on 8 warps up to 8 sequences (kda_step.block_cols)
               "step_wide": {**K3_STEP, "LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS": "8"},
               "all": {**K3_STEP, "LATENTSERVE_ATTN_RES_KERNEL": "1", "LATENTSERVE_MLA_GATE_IN_KERNEL": "1"},
-              "conv_multi": {"LATENTSERVE_KDA_DECODE_CONV": "1", "LATENTSERVE_GEMV_MULTI": "1"}}
+              "conv_multi": {"LATENTSERVE_KDA_DECODE_CONV": "1", "LATENTSERVE_GEMV_MULTI": "1"},
+              # Under PDL a kernel's profiled time includes its wait for the one before (run 48: the
+              # GEMVs' total rose 308 -> 422 us at batch 1 behind the step kernel); without, each its own.
+              "step_no_pdl": {**K3_STEP, "LATENTSERVE_PDL": "0"}}
 
 
 def bench_k3_graphs(args, bw: float) -> None:
