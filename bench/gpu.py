@@ -265,6 +265,13 @@ def fill_caches(llm: LLM) -> None:
                 cache.recurrent.zero_()
 
 
+def decode_case(llm: LLM, batch: int, context: int) -> tuple[dict, int, StepPlan]:
+    """A step of `batch` decodes at `context`: its floor's parts, the bytes it must move, its plan."""
+    chunks = decode_chunks(batch, context, llm.config.block_size)
+    floor = step_floor_bytes(llm.executor.rank0, chunks)
+    return floor, step_bytes(floor), StepPlan(chunks)
+
+
 def bench_k3(args, bw: float) -> None:
     """Kimi-K3's shapes cut to one GPU: eager decode step vs its floor."""
     batches = [b for b in args.batches if b <= 64]
@@ -273,10 +280,7 @@ def bench_k3(args, bw: float) -> None:
     fill_caches(llm)
     worker, rows = llm.executor.rank0, []
     for batch in batches:
-        chunks = decode_chunks(batch, args.context, llm.config.block_size)
-        floor = step_floor_bytes(worker, chunks)
-        need = step_bytes(floor)
-        plan = StepPlan(chunks)
+        floor, need, plan = decode_case(llm, batch, args.context)
         with torch.inference_mode():
             worker.execute(plan)
             ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
@@ -295,6 +299,8 @@ K3_STEP = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1"}
 K3_CONFIGS = {"none": {}, "step_multi": K3_STEP,
               # the step kernel's state in 64-column blocks on 8 warps up to 8 sequences (kda_step.block_cols)
               "step_wide": {**K3_STEP, "LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS": "8"},
+              # a head's columns over four programs up to 8 sequences (kda_step.split_max_rows)
+              "step_split": {**K3_STEP, "LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS": "8"},
               "all": {**K3_STEP, "LATENTSERVE_ATTN_RES_KERNEL": "1", "LATENTSERVE_MLA_GATE_IN_KERNEL": "1"},
               "conv_multi": {"LATENTSERVE_KDA_DECODE_CONV": "1", "LATENTSERVE_GEMV_MULTI": "1"},
               # Under PDL a kernel's profiled time includes its wait for the one before (run 48: the
@@ -309,7 +315,8 @@ def bench_k3_graphs(args, bw: float) -> None:
     first = None
     for name in args.k3_configs:
         try:  # a failing candidate costs its own rows only
-            with switches(K3_CONFIGS[name]):
+            # no prefill graphs: decode steps never replay them, and they were ~12 s of each build
+            with switches({"LATENTSERVE_PREFILL_GRAPHS": "0", **K3_CONFIGS[name]}):
                 out[name] = k3_graphs_rows(args, bw, name)
         except Exception as e:  # noqa: BLE001
             log(f"k3-small {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -334,10 +341,7 @@ def k3_graphs_rows(args, bw: float, name: str) -> dict:
         graphs = worker.decode_graphs
         nan = float("nan")
         for batch in batches:
-            chunks = decode_chunks(batch, args.context, llm.config.block_size)
-            floor = step_floor_bytes(worker, chunks)
-            need = step_bytes(floor)
-            plan = StepPlan(chunks)
+            _, need, plan = decode_case(llm, batch, args.context)
             with torch.inference_mode():
                 graph_ms = nan
                 if graphs is not None:

@@ -68,11 +68,12 @@ if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode gr
   # builds after the first find the compile caches warm. Run 48 ran a process each, and the cold
   # first (`none`) ran out of its quarter of the call. `step_multi`: the KDA step as one kernel (no
   # FLA) and the input projections as one launch (run 48: 0.93-0.96x of `conv_multi`); `step_wide`:
-  # its state in 64-column blocks on 8 warps up to 8 sequences; `all`: `step_multi` plus the
+  # its state in 64-column blocks on 8 warps up to 8 sequences; `step_split`: a head's columns
+  # over four programs up to 8 sequences, the last to arrive norming the row; `all`: `step_multi` plus the
   # attention-residual mixes as one kernel each and MLA's output gate in W_UV's kernel; last,
   # `step_multi` without PDL, whose profile gives each kernel its own time.
   timeout "$(( $(left) - 10 ))" python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail \
-    --batches 1,8,64 --profile-batches 1,64 --k3-configs none,step_multi,step_wide,all,step_no_pdl --json "$OUT/k3graphs.json" \
+    --batches 1,8,64 --profile-batches 1,64 --k3-configs none,step_multi,step_wide,step_split,all,step_no_pdl --json "$OUT/k3graphs.json" \
     > "$OUT/k3graphs.log" 2>&1
   echo "== k3graphs rc=$?"
   grep -E "k3-small|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs.log" | cut -c1-300 | head -80

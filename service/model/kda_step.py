@@ -94,23 +94,26 @@ if triton is not None:
 
     @triton.jit
     def _step_kernel(mixed_ptr, conv_ptr, wq_ptr, wk_ptr, wv_ptr, g_ptr, beta_ptr, gate_ptr, a_log_ptr, dt_bias_ptr,
-                     norm_w_ptr, rec_ptr, rows_ptr, pos_ptr, out_ptr, fb_ptr, P, stride_m, stride_cs, stride_cc,
-                     stride_w, stride_g, stride_beta, stride_gate, stride_rs, stride_out, stride_fb, scale,
+                     norm_w_ptr, rec_ptr, rows_ptr, pos_ptr, out_ptr, fb_ptr, cnt_ptr, P, stride_m, stride_cs,
+                     stride_cc, stride_w, stride_g, stride_beta, stride_gate, stride_rs, stride_out, stride_fb, scale,
                      lower_bound, eps, D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
-                     BOUNDED: tl.constexpr, FB_K: tl.constexpr, PDL: tl.constexpr):
+                     BOUNDED: tl.constexpr, FB_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         """The head's state [key, value] in blocks of BV value columns, each column independent of
         the others: the next block is requested before this one is worked on. The outputs go to
         o_proj's row rounded, then the row is read back, normed and gated. FB_K > 0: g_ptr holds
         f_a's output [B, FB_K] and the head's rows of f_b (fb_ptr) project it here, rounded to the
-        model dtype as f_b's own launch would write them."""
+        model dtype as f_b's own launch would write them. SPLIT > 1: the head's columns over SPLIT
+        programs (axis 2), D / SPLIT each; the last to arrive (cnt_ptr, one int32 a (sequence,
+        head), left zero) shifts the q/k history, which every program read, and norms the row."""
         t = tl.program_id(0)
         h = tl.program_id(1)
+        first = tl.program_id(2) * (D // SPLIT)
         d = tl.arange(0, D)
         cb = tl.arange(0, BV)
         row = tl.load(rows_ptr + t).to(tl.int64)
         kept = tl.load(pos_ptr + t) != 0
         head_state = rec_ptr + row * stride_rs + h * (D * D)
-        s_next = tl.load(head_state + d[:, None] * D + cb[None, :], mask=(d[:, None] < D) & kept, other=0.0)
+        s_next = tl.load(head_state + d[:, None] * D + (first + cb)[None, :], mask=(d[:, None] < D) & kept, other=0.0)
         a = tl.exp(tl.load(a_log_ptr + h))
         bias = tl.load(dt_bias_ptr + h * D + d)
         if FB_K > 0:
@@ -124,9 +127,10 @@ if triton is not None:
                                                          stride_m, stride_cs, stride_cc, stride_w, W, W_PAD)
         k, k_hist, k_shifted, _ = kda_ops.conv_window(mixed_ptr, conv_ptr, wk_ptr, t, row, kept, P + c, c, every,
                                                       stride_m, stride_cs, stride_cc, stride_w, W, W_PAD)
-        tl.debug_barrier()
-        tl.store(q_hist, q_shifted, mask=taps)
-        tl.store(k_hist, k_shifted, mask=taps)
+        if SPLIT == 1:
+            tl.debug_barrier()
+            tl.store(q_hist, q_shifted, mask=taps)
+            tl.store(k_hist, k_shifted, mask=taps)
         q = _l2_normed(q.to(tl.float32)) * scale
         k = _l2_normed(k.to(tl.float32))
         if FB_K > 0:
@@ -142,11 +146,11 @@ if triton is not None:
 
         out_row = out_ptr + t * stride_out + h * D
         squares = 0.0
-        for v0 in range(0, D, BV):
+        for v0 in range(first, first + D // SPLIT, BV):
             cv = v0 + cb
             state = s_next
             s_next = tl.load(head_state + d[:, None] * D + (cv + BV)[None, :],
-                             mask=((cv + BV) < D)[None, :] & kept, other=0.0)
+                             mask=((cv + BV) < first + D // SPLIT)[None, :] & kept, other=0.0)
             v, v_hist, v_shifted, v_taps = kda_ops.conv_window(mixed_ptr, conv_ptr, wv_ptr, t, row, kept,
                                                                2 * P + h * D + cv, h * D + cv, cb < BV, stride_m,
                                                                stride_cs, stride_cc, stride_w, W, W_PAD)
@@ -162,10 +166,28 @@ if triton is not None:
             squares += tl.sum(o.to(tl.float32) * o.to(tl.float32), 0)
 
         tl.debug_barrier()  # the row's blocks, stored by other threads
+        if SPLIT == 1:
+            _norm_gate(out_row, d, squares, norm_w_ptr, gate_ptr + t * stride_gate + c, eps, D)
+        else:
+            # Release this program's stores (and its reads of the q/k history); the last to arrive
+            # acquires all of them: the persistent probe's counter pattern (bench/persistent_probe.py).
+            arrival = cnt_ptr + t * tl.num_programs(1) + h
+            if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")
+                tl.debug_barrier()  # every thread after the acquire
+                tl.store(q_hist, q_shifted, mask=taps)
+                tl.store(k_hist, k_shifted, mask=taps)
+                o = tl.load(out_row + d).to(tl.float32)
+                _norm_gate(out_row, d, tl.sum(o * o, 0), norm_w_ptr, gate_ptr + t * stride_gate + c, eps, D)
+
+    @triton.jit
+    def _norm_gate(out_row, d, squares, norm_w_ptr, gate_ptr, eps, D: tl.constexpr):
+        """The row's RMS norm over its D rounded outputs (squares: their sum of squares) times
+        sigmoid(gate), in place."""
         o = tl.load(out_row + d).to(tl.float32)
         o = o * tl.rsqrt(squares / D + eps) * tl.load(norm_w_ptr + d).to(tl.float32)
-        gate = tl.load(gate_ptr + t * stride_gate + c).to(tl.float32)
-        tl.store(out_row + d, (o * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+        gate = tl.load(gate_ptr).to(tl.float32)
+        tl.store(out_row + d, (o * tl.sigmoid(gate)).to(out_row.dtype.element_ty))
 
 
 def _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions,
@@ -183,13 +205,19 @@ def _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_w
         raise ValueError(f"KDA decode step: mixed {tuple(mixed.shape)}, raw_g {tuple(raw_g.shape)}, raw_beta "
                          f"{tuple(raw_beta.shape)}, gate {tuple(gate.shape)}{fb} do not fit {heads} heads of {d}")
     width, bv = wq.shape[-1], block_cols(b)
-    _step_kernel[(b, heads)](
+    split, arrivals = 1, None
+    if b <= split_max_rows():
+        split, bv = max(1, d // BV), min(bv, BV)
+        arrivals = _arrivals(mixed.device, b * heads) if split > 1 else None
+        split = split if arrivals is not None else 1
+    _step_kernel[(b, heads, split)](
         mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions, out,
-        f_b if f_b is not None else mixed, p, mixed.stride(0), conv.stride(0), conv.stride(1), wq.stride(0),
+        f_b if f_b is not None else mixed, arrivals if arrivals is not None else rows, p, mixed.stride(0), conv.stride(0), conv.stride(1), wq.stride(0),
         raw_g.stride(0), raw_beta.stride(0), gate.stride(0), recurrent.stride(0), out.stride(0),
         f_b.stride(0) if f_b is not None else 0, scale, lower_bound if lower_bound is not None else 0.0, eps,
         D=d, BV=min(d, bv), W=width, W_PAD=triton.next_power_of_2(width), BOUNDED=lower_bound is not None,
-        FB_K=g_width if f_b is not None else 0, num_warps=max(4, min(d, bv) // 8), **pdl.launch(mixed.device))
+        FB_K=g_width if f_b is not None else 0, SPLIT=split, num_warps=max(4, min(d, bv) // 8),
+        **pdl.launch(mixed.device))
     return out
 
 
@@ -197,9 +225,32 @@ def block_cols(rows: int) -> int:
     """Value columns a step of the state loop: 32 on 4 warps; up to LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS
     rows (0 by default: a candidate, not yet timed) 64 on 8 warps. Run 48: at one sequence the
     kernel is latency, 13.6 us for 16 programs walking their four blocks in turn, and 64 halves the
-    walk. sm_90: 185 registers a thread on 8 warps, no spills (144 at 32 on 4), so one program an
+    walk. sm_90: 140 registers a thread on 8 warps, no spills (140 at 32 on 4), so one program an
     SM where 32 fits three: a loss once the programs outnumber the SMs."""
     return 2 * BV if rows <= int(os.environ.get("LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS", "0")) else BV
+
+
+def split_max_rows() -> int:
+    """Up to this many rows a head's columns spread over D / 32 programs, one 32-column block each
+    (LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS; 0 by default: a candidate, not yet timed). Run 48: at one
+    sequence the kernel is latency, 16 programs each walking four blocks in turn (13.6 us); split,
+    64 programs walk one each. Every program repeats the conv windows, norms and f_b's projection,
+    so this is for batches whose programs leave SMs idle."""
+    return int(os.environ.get("LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS", "0"))
+
+
+_ARRIVALS: dict = {}
+
+
+def _arrivals(device: torch.device, n: int) -> torch.Tensor | None:
+    """n zeroed int32 arrival counters on device, which the kernel leaves zeroed; None when a larger
+    buffer would have to be made inside a CUDA graph capture (that step runs unsplit)."""
+    buf = _ARRIVALS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _ARRIVALS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def fb_max_rows() -> int:

@@ -43,15 +43,19 @@ def draw(heads: int, d: int, width: int, dtype: torch.dtype, seed: int) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
-@pytest.mark.parametrize("heads,d,width,f_b,wide", [(3, 32, 4, False, False), (2, 128, 4, False, False),
-                                                    (4, 16, 3, False, False), (2, 128, 4, True, False),
-                                                    (3, 32, 4, True, False), (2, 128, 4, False, True),
-                                                    (2, 128, 4, True, True)])
-def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width, f_b, wide, monkeypatch):
-    """f_b: the kernel projects f_a's output through f_b's rows itself (K = d, as KDA's f_a). wide:
-    64-column blocks on 8 warps (LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS), two of them a head."""
-    monkeypatch.setenv("LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS", "64" if wide else "0")
-    assert kda_step.block_cols(B) == (64 if wide else 32)
+@pytest.mark.parametrize("heads,d,width,f_b,blocks", [(3, 32, 4, False, "32"), (2, 128, 4, False, "32"),
+                                                      (4, 16, 3, False, "32"), (2, 128, 4, True, "32"),
+                                                      (3, 32, 4, True, "32"), (2, 128, 4, False, "wide"),
+                                                      (2, 128, 4, True, "wide"), (2, 128, 4, False, "split"),
+                                                      (2, 128, 4, True, "split")])
+def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width, f_b, blocks, monkeypatch):
+    """f_b: the kernel projects f_a's output through f_b's rows itself (K = d, as KDA's f_a). blocks:
+    a program walks its head's 32-column blocks; "wide": 64-column blocks on 8 warps
+    (LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS); "split": one 32-column block a program, four programs a
+    head, the last to arrive norming the row (LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS)."""
+    monkeypatch.setenv("LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS", "64" if blocks == "wide" else "0")
+    monkeypatch.setenv("LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS", "64" if blocks == "split" else "0")
+    assert kda_step.block_cols(B) == (64 if blocks == "wide" else 32)
     case = draw(heads, d, width, dtype, seed=heads * d + width)
     eps = 1e-5
     g = torch.Generator().manual_seed(d)
@@ -73,6 +77,8 @@ def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width, 
         dev["gate"], dev["a_log"], dev["dt_bias"], dev["norm_weight"], dev["recurrent"], dev["rows"],
         dev["positions"], d ** -0.5, lower_bound, eps, w_fb.to(DEVICE) if f_b else None).cpu()
     assert out.dtype == dtype and out.shape == (B, heads * d) and not out.isnan().any()
+    if blocks == "split":  # the arrival counters are left as found, for the next step or replay
+        assert kda_step._ARRIVALS and not any(buf.any() for buf in kda_step._ARRIVALS.values())
     # bf16: the output rounds twice (before the norm and after it), as the torch path does, and
     # an fp32 sum order may flip a rounding: one bf16 step of the output's scale.
     tol = 2e-5 if dtype == torch.float32 else 2 ** -7
@@ -100,14 +106,15 @@ def test_decode_step_refuses_inputs_that_do_not_fit_its_heads():
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny", "linear", "bounded"])
-@pytest.mark.parametrize("multi,f_b_rows", [(False, "16"), (True, "16"), (True, "0")],
-                         ids=["projections", "gemv_multi", "f_b_launched"])
-def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, monkeypatch, spy):
+@pytest.mark.parametrize("multi,f_b_rows,split_rows", [(False, "16", "0"), (True, "16", "0"), (True, "0", "0"),
+                                                      (True, "16", "8")],
+                         ids=["projections", "gemv_multi", "f_b_launched", "split"])
+def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, split_rows, monkeypatch, spy):
     """KimiDeltaAttention's all-decode steps with LATENTSERVE_KDA_DECODE_STEP=1 (the input
     projections as one launch or not; f_b projected in the kernel, the default at 3 rows, or by
-    its own launch) against its torch path: outputs and both state rows, over three steps, a
-    fresh sequence on a NaN row among them (Kimi-K3's full-rank gate, Kimi-Linear's low-rank one,
-    the bounded gate)."""
+    its own launch; a head's columns over several programs) against its torch path: outputs and
+    both state rows, over three steps, a fresh sequence on a NaN row among them (Kimi-K3's
+    full-rank gate, Kimi-Linear's low-rank one, the bounded gate)."""
     import dataclasses
 
     from service.config import PRESETS
@@ -118,6 +125,9 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, monk
 
     cfg = PRESETS["k3-tiny"]
     extra = {"linear": {"use_full_rank_gate": False}, "bounded": {"gate_lower_bound": -5.0}}.get(preset, {})
+    if split_rows != "0":  # head width 64: two 32-column programs a head
+        extra = {**extra, "head_dim": 64}
+        monkeypatch.setattr(kda_step, "_ARRIVALS", {})
     cfg = dataclasses.replace(cfg, linear_attn_config={**cfg.linear_attn_config, **extra})
     layer = KimiDeltaAttention(cfg, TPGroup.single(), 0, torch.float32)
     g = torch.Generator().manual_seed(len(preset))
@@ -131,6 +141,7 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, monk
     got_state = KDAState(ref_state.conv.clone(), ref_state.recurrent.clone())
     monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "1" if multi else "0")
     monkeypatch.setenv("LATENTSERVE_KDA_STEP_FB_MAX_ROWS", f_b_rows)
+    monkeypatch.setenv("LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS", split_rows)
     f_b_launches = spy(layer.f_b_proj, "forward")
     calls = spy(kda_step, "decode_step")
     with torch.no_grad():
@@ -148,6 +159,8 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, monk
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     assert len(calls) == 3
     assert len(f_b_launches) == 3 + (3 if f_b_rows == "0" else 0)  # the torch path's, and the kernel path's
+    if split_rows != "0":  # split, and the arrival counters left zeroed
+        assert kda_step._ARRIVALS and not any(buf.any() for buf in kda_step._ARRIVALS.values())
     for part in ("conv", "recurrent"):
         torch.testing.assert_close(getattr(got_state, part), getattr(ref_state, part), atol=1e-5, rtol=1e-4,
                                    equal_nan=True)
