@@ -167,7 +167,8 @@ if triton is not None:
 
         tl.debug_barrier()  # the row's blocks, stored by other threads
         if SPLIT == 1:
-            _norm_gate(out_row, d, squares, norm_w_ptr, gate_ptr + t * stride_gate + c, eps, D)
+            o = tl.load(out_row + d).to(tl.float32)
+            _norm_gate(out_row, d, o, squares, norm_w_ptr, gate_ptr + t * stride_gate + c, eps, D)
         else:
             # Release this program's stores (and its reads of the q/k history); the last to arrive
             # acquires all of them: the persistent probe's counter pattern (bench/persistent_probe.py).
@@ -178,13 +179,12 @@ if triton is not None:
                 tl.store(q_hist, q_shifted, mask=taps)
                 tl.store(k_hist, k_shifted, mask=taps)
                 o = tl.load(out_row + d).to(tl.float32)
-                _norm_gate(out_row, d, tl.sum(o * o, 0), norm_w_ptr, gate_ptr + t * stride_gate + c, eps, D)
+                _norm_gate(out_row, d, o, tl.sum(o * o, 0), norm_w_ptr, gate_ptr + t * stride_gate + c, eps, D)
 
     @triton.jit
-    def _norm_gate(out_row, d, squares, norm_w_ptr, gate_ptr, eps, D: tl.constexpr):
-        """The row's RMS norm over its D rounded outputs (squares: their sum of squares) times
-        sigmoid(gate), in place."""
-        o = tl.load(out_row + d).to(tl.float32)
+    def _norm_gate(out_row, d, o, squares, norm_w_ptr, gate_ptr, eps, D: tl.constexpr):
+        """The row's D rounded outputs o (in fp32; squares: their sum of squares) RMS-normed times
+        sigmoid(gate), stored in place."""
         o = o * tl.rsqrt(squares / D + eps) * tl.load(norm_w_ptr + d).to(tl.float32)
         gate = tl.load(gate_ptr).to(tl.float32)
         tl.store(out_row + d, (o * tl.sigmoid(gate)).to(out_row.dtype.element_ty))
@@ -204,21 +204,26 @@ def _step(mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_w
             or (f_b is not None and not fb_fits(f_b, p))):
         raise ValueError(f"KDA decode step: mixed {tuple(mixed.shape)}, raw_g {tuple(raw_g.shape)}, raw_beta "
                          f"{tuple(raw_beta.shape)}, gate {tuple(gate.shape)}{fb} do not fit {heads} heads of {d}")
-    width, bv = wq.shape[-1], block_cols(b)
-    split, arrivals = 1, None
-    if b <= split_max_rows():
-        split, bv = max(1, d // BV), min(bv, BV)
-        arrivals = _arrivals(mixed.device, b * heads) if split > 1 else None
-        split = split if arrivals is not None else 1
+    width = wq.shape[-1]
+    bv, split, arrivals = _blocks(b, heads, d, mixed.device)
     _step_kernel[(b, heads, split)](
         mixed, conv, wq, wk, wv, raw_g, raw_beta, gate, a_log, dt_bias, norm_weight, recurrent, rows, positions, out,
-        f_b if f_b is not None else mixed, arrivals if arrivals is not None else rows, p, mixed.stride(0), conv.stride(0), conv.stride(1), wq.stride(0),
-        raw_g.stride(0), raw_beta.stride(0), gate.stride(0), recurrent.stride(0), out.stride(0),
-        f_b.stride(0) if f_b is not None else 0, scale, lower_bound if lower_bound is not None else 0.0, eps,
-        D=d, BV=min(d, bv), W=width, W_PAD=triton.next_power_of_2(width), BOUNDED=lower_bound is not None,
-        FB_K=g_width if f_b is not None else 0, SPLIT=split, num_warps=max(4, min(d, bv) // 8),
-        **pdl.launch(mixed.device))
+        f_b if f_b is not None else mixed, arrivals if arrivals is not None else rows, p, mixed.stride(0),
+        conv.stride(0), conv.stride(1), wq.stride(0), raw_g.stride(0), raw_beta.stride(0), gate.stride(0),
+        recurrent.stride(0), out.stride(0), f_b.stride(0) if f_b is not None else 0, scale,
+        lower_bound if lower_bound is not None else 0.0, eps, D=d, BV=bv, W=width, W_PAD=triton.next_power_of_2(width),
+        BOUNDED=lower_bound is not None, FB_K=g_width if f_b is not None else 0, SPLIT=split,
+        num_warps=max(4, bv // 8), **pdl.launch(mixed.device))
     return out
+
+
+def _blocks(b: int, heads: int, d: int, device: torch.device) -> tuple[int, int, torch.Tensor | None]:
+    """(value columns a block, programs a head, their arrival counters) for b rows of heads x d:
+    split up to `split_max_rows` (before wide blocks), else `block_cols`' blocks in one program."""
+    if b <= split_max_rows():
+        arrivals = _arrivals(device, b * heads) if d > BV else None
+        return min(d, BV), d // BV if arrivals is not None else 1, arrivals
+    return min(d, block_cols(b)), 1, None
 
 
 def block_cols(rows: int) -> int:

@@ -41,6 +41,11 @@ def draw(heads: int, d: int, width: int, dtype: torch.dtype, seed: int) -> dict:
                 recurrent=recurrent)
 
 
+def assert_arrivals_zeroed() -> None:
+    """A split step made its arrival counters and left them zeroed, for the next step or replay."""
+    assert kda_step._ARRIVALS and not any(buf.any() for buf in kda_step._ARRIVALS.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("heads,d,width,f_b,blocks", [(3, 32, 4, False, "32"), (2, 128, 4, False, "32"),
@@ -77,8 +82,8 @@ def test_decode_step_matches_the_torch_ops(dtype, lower_bound, heads, d, width, 
         dev["gate"], dev["a_log"], dev["dt_bias"], dev["norm_weight"], dev["recurrent"], dev["rows"],
         dev["positions"], d ** -0.5, lower_bound, eps, w_fb.to(DEVICE) if f_b else None).cpu()
     assert out.dtype == dtype and out.shape == (B, heads * d) and not out.isnan().any()
-    if blocks == "split":  # the arrival counters are left as found, for the next step or replay
-        assert kda_step._ARRIVALS and not any(buf.any() for buf in kda_step._ARRIVALS.values())
+    if blocks == "split":
+        assert_arrivals_zeroed()
     # bf16: the output rounds twice (before the norm and after it), as the torch path does, and
     # an fp32 sum order may flip a rounding: one bf16 step of the output's scale.
     tol = 2e-5 if dtype == torch.float32 else 2 ** -7
@@ -159,8 +164,8 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, spli
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     assert len(calls) == 3
     assert len(f_b_launches) == 3 + (3 if f_b_rows == "0" else 0)  # the torch path's, and the kernel path's
-    if split_rows != "0":  # split, and the arrival counters left zeroed
-        assert kda_step._ARRIVALS and not any(buf.any() for buf in kda_step._ARRIVALS.values())
+    if split_rows != "0":
+        assert_arrivals_zeroed()
     for part in ("conv", "recurrent"):
         torch.testing.assert_close(getattr(got_state, part), getattr(ref_state, part), atol=1e-5, rtol=1e-4,
                                    equal_nan=True)
