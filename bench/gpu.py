@@ -111,6 +111,35 @@ def device_dummy_init(model, cfg, tp, seed: int = 0) -> None:
                 p.copy_(fp8.fake_quantize(p, block))
 
 
+def switched_llm(device: str, overrides: dict, preset: str, **kw) -> LLM:
+    """make_llm for a build after another in this process under other LATENTSERVE_* switches: they
+    are read while dynamo traces, and it does not guard on them, so without the reset this build
+    would replay the earlier one's compiled layers."""
+    torch._dynamo.reset()
+    return make_llm(device, overrides, preset, **kw)
+
+
+def measured(llm: LLM, fn):
+    """fn(llm), then the engine shut down and its device memory given back, whatever happens: fn's
+    locals are gone by then, so this is the last reference to the engine."""
+    try:
+        return fn(llm)
+    finally:
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+
+
+def isolated(label: str, fn, **failed) -> dict:
+    """fn(), or `failed` with the error when it raises: one failing candidate (run 47: gemv_256's
+    tiles over shared memory) costs only its own rows of a bench."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        log(f"{label} failed: {type(e).__name__}: {str(e)[:300]}")
+        return {**failed, "error": f"{type(e).__name__}: {e}"[:500]}
+
+
 def make_llm(device: str, overrides: dict, preset: str, **kw) -> LLM:
     t0 = time.perf_counter()
     llm = LLM(model=preset, hf_overrides=overrides, dtype=kw.pop("dtype", "bfloat16"), device=device,
@@ -241,11 +270,8 @@ def decode_llm(args, **kw) -> LLM:
     """The decode bench's engine, with real numbers in every KV slot a context reads; graphs
     captured at exactly the benched batch sizes."""
     t0 = time.perf_counter()
-    # Kernel switches (LATENTSERVE_*) are read while dynamo traces, and it does not guard on them:
-    # a build after another in this process would replay the earlier build's compiled layers.
-    torch._dynamo.reset()
-    llm = make_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
-                   cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
+    llm = switched_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
+                       cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
     build = (f"compile={os.environ.get('LATENTSERVE_COMPILE', 'layers')},"
              f"moe_kernels={os.environ.get('LATENTSERVE_MOE_KERNELS', '1')},"
              f"moe_grouped={os.environ.get('LATENTSERVE_MOE_GROUPED', 'triton')}")
@@ -314,13 +340,8 @@ def bench_k3_graphs(args, bw: float) -> None:
     out = {"overrides": K3_SMALL}
     first = None
     for name in args.k3_configs:
-        try:  # a failing candidate costs its own rows only
-            # no prefill graphs: decode steps never replay them, and they were ~12 s of each build
-            with switches({"LATENTSERVE_PREFILL_GRAPHS": "0", **K3_CONFIGS[name]}):
-                out[name] = k3_graphs_rows(args, bw, name)
-        except Exception as e:  # noqa: BLE001
-            log(f"k3-small {name} failed: {type(e).__name__}: {str(e)[:300]}")
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        out[name] = isolated(f"k3-small {name}", partial(k3_graphs_rows, args, bw, name))
+        if "error" in out[name]:
             continue
         first = first or name
         for row, base in zip(out[name]["decode"], out[first]["decode"]):
@@ -331,40 +352,40 @@ def bench_k3_graphs(args, bw: float) -> None:
 
 
 def k3_graphs_rows(args, bw: float, name: str) -> dict:
+    """K3_SMALL built under K3_CONFIGS[name], without prefill graphs: decode steps never replay
+    them, and they were ~12 s of each build."""
     batches = [b for b in args.batches if b <= 64]
-    torch._dynamo.reset()  # the switches are read while dynamo traces (decode_llm)
-    llm = make_llm(args.device, K3_SMALL, "k3", max_num_seqs=max(batches), cuda_graph_batch_sizes=batches,
-                   kv_cache_memory_bytes=2 * GIB)
-    try:
-        fill_caches(llm)
-        worker, rows = llm.executor.rank0, []
-        graphs = worker.decode_graphs
-        nan = float("nan")
-        for batch in batches:
-            _, need, plan = decode_case(llm, batch, args.context)
-            with torch.inference_mode():
-                graph_ms = nan
-                if graphs is not None:
-                    worker.execute(plan)
-                    graph_ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
-                with eager(worker):
-                    worker.execute(plan)
-                    eager_ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
-            row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": graph_ms,
-                   "eager_ms": eager_ms, "speedup": eager_ms / graph_ms,
-                   "floor_fraction": need / bw * 1e3 / min(graph_ms, eager_ms)}
-            if graphs is not None and batch in args.profile_batches:  # where a K3 step's kernels go
-                prof = profile_replay(graphs, batch, len(worker.model.layers))
-                print(f"k3-small {name}, batch {batch}:\n{prof['table']}", flush=True)
-                row["kernels_per_layer"] = prof["kernels_per_layer"]
-            rows.append(row)
-            log(f"k3-small decode {name} batch {batch}: "
-                f"{json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
-        return {"env": K3_CONFIGS[name], "graphs": graphs.stats() if graphs else "off", "decode": rows}
-    finally:
-        llm.shutdown()
-        del llm
-        torch.cuda.empty_cache()
+    with switches({"LATENTSERVE_PREFILL_GRAPHS": "0", **K3_CONFIGS[name]}):
+        return measured(switched_llm(args.device, K3_SMALL, "k3", max_num_seqs=max(batches),
+                                     cuda_graph_batch_sizes=batches, kv_cache_memory_bytes=2 * GIB),
+                        partial(_k3_rows, args, bw, name, batches))
+
+
+def _k3_rows(args, bw: float, name: str, batches: list[int], llm: LLM) -> dict:
+    fill_caches(llm)
+    worker, rows = llm.executor.rank0, []
+    graphs = worker.decode_graphs
+    nan = float("nan")
+    for batch in batches:
+        _, need, plan = decode_case(llm, batch, args.context)
+        with torch.inference_mode():
+            graph_ms = nan
+            if graphs is not None:
+                worker.execute(plan)
+                graph_ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+            with eager(worker):
+                worker.execute(plan)
+                eager_ms = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
+        row = {"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": graph_ms, "eager_ms": eager_ms,
+               "speedup": eager_ms / graph_ms, "floor_fraction": need / bw * 1e3 / min(graph_ms, eager_ms)}
+        if graphs is not None and batch in args.profile_batches:  # where a K3 step's kernels go
+            prof = profile_replay(graphs, batch, len(worker.model.layers))
+            print(f"k3-small {name}, batch {batch}:\n{prof['table']}", flush=True)
+            row["kernels_per_layer"] = prof["kernels_per_layer"]
+        rows.append(row)
+        log(f"k3-small decode {name} batch {batch}: "
+            f"{json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})}")
+    return {"env": K3_CONFIGS[name], "graphs": graphs.stats() if graphs else "off", "decode": rows}
 
 
 def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
@@ -396,24 +417,23 @@ def mode_graph_ms(args, env: dict[str, str]) -> dict:
     LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts). Without prefill graphs,
     which decode steps never replay: their capture was ~12 s of each build (run 45)."""
     with switches({"LATENTSERVE_PREFILL_GRAPHS": "0", **env}):
-        llm = decode_llm(args)
-        worker, ms, profiles = llm.executor.rank0, {}, []
-        layers = len(worker.model.layers)
-        try:
-            for batch in args.batches:
-                plan = StepPlan(decode_chunks(batch, args.context, llm.config.block_size))
-                with torch.inference_mode():
-                    worker.execute(plan)
-                    ms[batch] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
-                    if batch in args.profile_batches and worker.decode_graphs is not None:
-                        profiles.append(profile_replay(worker.decode_graphs, batch, layers))
-        finally:
-            llm.shutdown()
-            del llm, worker
-            torch.cuda.empty_cache()
+        ms, profiles = measured(decode_llm(args), partial(_graph_ms, args))
     log(f"decode with {env} (graph ms): {ms}; kernels per layer: "
         f"{ {p['batch']: round(p['kernels_per_layer'], 1) for p in profiles} }")
     return {"ms": ms, "profiles": profiles}
+
+
+def _graph_ms(args, llm: LLM) -> tuple[dict, list]:
+    worker, ms, profiles = llm.executor.rank0, {}, []
+    layers = len(worker.model.layers)
+    for batch in args.batches:
+        plan = StepPlan(decode_chunks(batch, args.context, llm.config.block_size))
+        with torch.inference_mode():
+            worker.execute(plan)
+            ms[batch] = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
+            if batch in args.profile_batches and worker.decode_graphs is not None:
+                profiles.append(profile_replay(worker.decode_graphs, batch, layers))
+    return ms, profiles
 
 
 # The default build (layers compiled, Triton MoE kernels) is timed against these, same model.
@@ -477,15 +497,8 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
 
 
 def bench_decode(args, bw: float) -> LLM:
-    baselines = {}
-    for name, env in BASELINES.items():
-        if name not in args.baselines:
-            continue
-        try:  # one failing candidate (run 47: gemv_256's tiles over shared memory) costs only its row
-            baselines[name] = mode_graph_ms(args, env)
-        except Exception as e:  # noqa: BLE001
-            log(f"baseline {name} failed: {type(e).__name__}: {str(e)[:300]}")
-            baselines[name] = {"ms": {}, "profiles": [], "error": f"{type(e).__name__}: {e}"[:500]}
+    baselines = {name: isolated(f"baseline {name}", partial(mode_graph_ms, args, env), ms={}, profiles=[])
+                 for name, env in BASELINES.items() if name in args.baselines}
     RESULTS["baselines"] = baselines
     import torch._dynamo.utils as dynamo_utils
 
