@@ -1,0 +1,147 @@
+"""The host's share of a served decode step at many streams, against another revision in the same run.
+
+On the H200 a 256-stream decode step's graph takes ~7 ms, and the host work around it took
+another ~4-5 ms that the GPU waits for (run 47: schedule 1.3, postprocess 2.8, the graph's input
+packing and launch 2.0 ms a step). This bench runs that host work without a GPU: `LLMEngine.step()`
+with a model that costs nothing but the decode graphs' input packing (`cuda_graph`'s host side,
+numpy only), then the rank-0 pipe's pickling of the step's outputs and the controller's
+unpickling, as in `bench/stream_outputs.py` (progress outputs as deltas, as the engine loop
+sends them). Each phase is timed per step.
+
+With `--against REV` the same measurement also runs on the code of git revision REV (a temporary
+worktree, its own process), the two alternating `--rounds` times; the last line gives each
+phase's median and the ratio REV / this tree (above 1: this tree is faster).
+
+    python bench/host_step.py [--streams 256] [--prompt-len 128] [--steps 64] [--vocab 2048]
+        [--against HEAD~1] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("schedule", "pack", "postprocess", "pickle", "unpickle", "total")
+
+
+def measure(args) -> dict:
+    """ms a decode step for each phase (means over the steps), on the code under ROOT."""
+    sys.path.insert(0, ROOT)
+    import numpy as np
+    import torch
+
+    from service.engine.llm_engine import LLMEngine
+    from service.model import cuda_graph
+    from service.sampling_params import SamplingParams
+    from service.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(args.vocab)
+    logits = torch.randn(args.streams, args.vocab, generator=torch.Generator().manual_seed(0))
+    block = 16
+    per_seq = -(-(args.prompt_len + args.steps) // block)
+    width = per_seq
+    buf = np.zeros(cuda_graph.buffer_len(args.streams, width), dtype=np.int64)
+    scratch = (args.streams * per_seq + 16, args.streams)
+    pack_s = [0.0]
+
+    def model(plan):
+        if all(len(c.token_ids) == 1 for c in plan.chunks):
+            t0 = time.perf_counter()
+            cuda_graph.pack_decode(plan.chunks, len(plan.chunks), args.streams, width, block, buf, scratch)
+            pack_s[0] += time.perf_counter() - t0
+        return logits[:sum(c.needs_logits for c in plan.chunks)]
+
+    engine = LLMEngine(model, tok, block_size=block, num_blocks=args.streams * per_seq + 16,
+                       max_num_seqs=args.streams, max_num_batched_tokens=args.streams * args.prompt_len,
+                       max_model_len=args.prompt_len + args.steps, vocab_size=args.vocab)
+    engine.progress_deltas = True
+    gc.collect()  # as the rank actor and the controller do once started (`gc.freeze`)
+    gc.freeze()
+    params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
+    for i in range(args.streams):
+        engine.add_request(f"cmpl-{i:08x}", None, [5 + (i + j) % 1000 for j in range(args.prompt_len)], params)
+    engine.step()  # the prefill
+    pack_s[0] = 0.0
+    for k in engine.step_seconds:
+        engine.step_seconds[k] = 0.0
+    dumps = loads = wall = 0.0
+    steps = 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t1 = time.perf_counter()
+        blob = pickle.dumps(outs)
+        t2 = time.perf_counter()
+        pickle.loads(blob)
+        t3 = time.perf_counter()
+        wall += t1 - t0
+        dumps += t2 - t1
+        loads += t3 - t2
+        steps += 1
+    sec = engine.step_seconds
+    ms = {"schedule": sec["schedule"], "pack": pack_s[0], "postprocess": sec["postprocess"], "pickle": dumps,
+          "unpickle": loads}
+    ms["total"] = wall - sec["execute"] + pack_s[0] - sec["sample"] + dumps + loads  # the sampler is the GPU's
+    return {k: v / steps * 1e3 for k, v in ms.items()} | {"steps": steps}
+
+
+def worktree(rev: str) -> str:
+    path = tempfile.mkdtemp(prefix="host_step_")
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", path, rev], check=True)
+    shutil.copy(os.path.abspath(__file__), os.path.join(path, "bench", "host_step.py"))
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=128, help="output tokens per stream")
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--against", help="a git revision to measure in the same run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child or not args.against:
+        out = measure(args)
+        print(json.dumps(out) if args.child else " ".join(f"{k} {v:.3f}" for k, v in out.items()), flush=True)
+        return
+    base = worktree(args.against)
+    flags = [f"--streams={args.streams}", f"--prompt-len={args.prompt_len}", f"--steps={args.steps}",
+             f"--vocab={args.vocab}", "--child"]
+    runs: dict[str, list[dict]] = {"this": [], args.against: []}
+    try:
+        for r in range(args.rounds):
+            for name, root in (("this", ROOT), (args.against, base)):
+                res = subprocess.run([sys.executable, os.path.join(root, "bench", "host_step.py"), *flags],
+                                     capture_output=True, text=True, check=True)
+                runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+                print(f"[host-step] round {r + 1}/{args.rounds} {name}: total {runs[name][-1]['total']:.2f} ms a step",
+                      flush=True)
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base], check=False)
+    med = {name: {p: statistics.median(x[p] for x in rs) for p in PHASES} for name, rs in runs.items()}
+    ratio = {p: med[args.against][p] / med["this"][p] if med["this"][p] else float("nan") for p in PHASES}
+    summary = {"args": vars(args), "median_ms": med, "ratio_against_over_this": ratio, "runs": runs}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    for p in PHASES:
+        print(f"{p:12s} this {med['this'][p]:7.3f} ms   {args.against} {med[args.against][p]:7.3f} ms   "
+              f"{ratio[p]:.2f}x")
+    print("SUMMARY " + json.dumps({"median_ms": med, "ratio": ratio}))
+
+
+if __name__ == "__main__":
+    main()
