@@ -40,16 +40,14 @@ def test_block_manager_accounting():
     bm.allocate(a, 5)
     assert len(a.block_table) == 2 and bm.num_free_blocks == 2
     a.num_computed_tokens = 5
-    assert bm.can_append(a, 11) and not bm.can_append(a, 12)  # 16 tokens fit 4 blocks, 17 need 5
-    bm.append(a, 3)  # positions 5..7 still fit block 2
-    assert len(a.block_table) == 2
+    assert not bm.try_append(a, 12) and len(a.block_table) == 2  # 17 tokens need 5 blocks: nothing taken
+    assert bm.try_append(a, 3) and len(a.block_table) == 2  # positions 5..7 still fit block 2
     bm.allocate(b, 3)
     a.num_computed_tokens = 8
-    bm.append(a, 1)
-    assert bm.num_free_blocks == 0 and bm.can_append(a, 4) and not bm.can_append(a, 5) and not bm.can_allocate(seq(1), 1)
+    assert bm.try_append(a, 1) and len(a.block_table) == 3
+    assert bm.num_free_blocks == 0 and bm.try_append(a, 4) and not bm.try_append(a, 5)
+    assert not bm.can_allocate(seq(1), 1) and len(a.block_table) == 3
     assert len(set(a.block_table) | set(b.block_table)) == 4
-    with pytest.raises(RuntimeError):
-        bm.append(a, 5)
     with pytest.raises(RuntimeError, match="already holds"):
         bm.allocate(a, 1)
     bm.free(b)

@@ -40,17 +40,21 @@ class BlockManager:
         """Whether a sequence holding no blocks (new or preempted) can get room for `num_tokens`."""
         return not seq.block_table and self.blocks_for(num_tokens) <= len(self._free)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        """Whether `seq` can grow by `num_new_tokens` computed tokens."""
-        return self.blocks_missing(seq, seq.num_computed_tokens + num_new_tokens) <= len(self._free)
+    def try_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow `seq`'s table to cover `num_new_tokens` more computed tokens, if the free blocks
+        allow it; else False and nothing changes (the scheduler then preempts)."""
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        self._take(seq, need)
+        return True
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         if seq.block_table:
             raise RuntimeError(f"seq {seq.seq_id} already holds blocks {seq.block_table}")
         self._grow(seq, num_tokens)
-
-    def append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
-        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
         for block in seq.block_table:  # check all first: a bad free must not half-apply
@@ -65,7 +69,10 @@ class BlockManager:
         missing = self.blocks_missing(seq, num_tokens)
         if missing > len(self._free):
             raise RuntimeError(f"seq {seq.seq_id}: {missing} blocks needed, {len(self._free)} free")
-        for _ in range(missing):
+        self._take(seq, missing)
+
+    def _take(self, seq: Sequence, count: int) -> None:
+        for _ in range(count):
             block = self._free.popleft()
             self._owner[block] = seq.seq_id
             seq.block_table.append(block)
