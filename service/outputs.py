@@ -19,6 +19,12 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __reduce__(self):
+        # Positional fields: the default pickle of a dataclass writes every object's __dict__ by
+        # name, and a 256-stream step ships 512 of these to the controller (bench/host_step.py).
+        return CompletionOutput, (self.index, self.text, self.token_ids, self.logprobs, self.finish_reason,
+                                  self.stop_reason)
+
 
 @dataclass
 class RequestOutput:
@@ -35,6 +41,10 @@ class RequestOutput:
     # O(prompt + output) per stream per step: 225 ms a step for 256 streams of a 4096-token
     # prompt at 1024 tokens out (building, pickling, unpickling), against an 8 ms decode step.
     delta: bool = False
+
+    def __reduce__(self):
+        return RequestOutput, (self.request_id, self.prompt, self.prompt_token_ids, self.outputs, self.finished,
+                               self.weight_version, self.error, self.delta)
 
     def extend(self, delta: RequestOutput) -> None:
         """Append a delta output of the same request to this whole one."""

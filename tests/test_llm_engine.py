@@ -9,6 +9,7 @@ not rebuild the cache raises (the engine then fails the request) or changes the 
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import pytest
@@ -452,7 +453,7 @@ def test_progress_deltas_rebuild_the_whole_outputs():
     """With progress_deltas (the engine loop feeding the HTTP controller) each stream's progress
     output carries only what is new; extending the first one with the rest gives, at every step,
     the whole output the engine reports without deltas: tokens, text held back for a stop string,
-    logprobs, n > 1, and the prompt's ids."""
+    logprobs, n > 1, and the prompt's ids; each delta pickled and unpickled on the way."""
     reqs = [("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=1)),
             ("b", PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=7, ignore_eos=True)),
             ("c", PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["zz top"]))]
@@ -469,7 +470,9 @@ def test_progress_deltas_rebuild_the_whole_outputs():
     whole: dict = {}
     sent_delta = False
     for plain, delta in zip(*runs, strict=True):
-        for p, d in zip(plain, delta, strict=True):
+        for p, sent in zip(plain, delta, strict=True):
+            d = pickle.loads(pickle.dumps(sent))  # as the rank-0 pipe carries it (RequestOutput.__reduce__)
+            assert d == sent and d.outputs[0].finished == sent.outputs[0].finished
             assert d.request_id == p.request_id and d.delta == (not p.finished)
             sent_delta |= d.delta and all(len(c.token_ids) <= 1 for c in d.outputs)
             if d.request_id in whole and d.delta:
