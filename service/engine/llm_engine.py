@@ -198,24 +198,29 @@ class LLMEngine:
             touched: dict[str, _Request] = {}
             poisoned: dict[str, None] = {}
             rows = self.scheduler.postprocess(batch, sampled.token_ids)
+            requests = self._requests
             for i, (seq, token, logprobs) in enumerate(zip(rows, sampled.token_ids, sampled.logprobs)):
-                if i in nan_rows:
+                if nan_rows and i in nan_rows:
                     seq.output_token_ids.pop()  # sampled from NaN: not a token of this request
                     poisoned[seq.request_id] = None
                     continue
                 if seq.logprobs is not None:
                     seq.logprobs.append(logprobs)
                 self._after_token(seq, token)
-                touched[seq.request_id] = self._requests[seq.request_id]
+                rid = seq.request_id
+                if rid not in touched:
+                    touched[rid] = requests[rid]
             if poisoned:
                 # Garbage in the model (stale memory, weights not loaded): say so, emit no token.
                 outputs += self._fail(poisoned, "the model returned NaN logits (weights or KV cache not valid?)")
+            wants = self.wants_progress
             for req in touched.values():
                 if req.request_id in poisoned:
                     continue
-                if req.finished or self.wants_progress is None or self.wants_progress(req.request_id):
-                    outputs.append(self._output(req))
-                if req.finished:
+                finished = req.finished
+                if finished or wants is None or wants(req.request_id):
+                    outputs.append(self._output(req, finished))
+                if finished:
                     del self._requests[req.request_id]
             self.step_seconds["postprocess"] += time.perf_counter() - t0
             return outputs
@@ -314,17 +319,20 @@ class LLMEngine:
     def _after_token(self, seq: Sequence, token: int) -> None:
         """Detokenize the new token and retire the sequence if a stop rule fires (vLLM's order)."""
         params = seq.params
-        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
-        seq.output_text += delta
+        delta = ""
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.add(token)
+            seq.output_text += delta
         status = None
-        if not params.ignore_eos and token == self.eos_token_id:
+        num_out = len(seq.output_token_ids)
+        if token == self.eos_token_id and not params.ignore_eos:
             status = SequenceStatus.FINISHED_STOPPED
-        elif token in params.stop_token_ids:
+        elif params.stop_token_ids and token in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         elif params.stop_list and self._stop_string(seq, len(delta)):
             status = SequenceStatus.FINISHED_STOPPED
-        elif seq.num_tokens >= self.max_model_len or (
-                params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens):
+        elif len(seq.prompt_token_ids) + num_out >= self.max_model_len or (
+                params.max_tokens is not None and num_out >= params.max_tokens):
             status = SequenceStatus.FINISHED_LENGTH
         if status is None:
             return
@@ -349,32 +357,34 @@ class LLMEngine:
         seq.stop_reason = stop
         return True
 
-    def _output(self, req: _Request) -> RequestOutput:
-        finished = req.finished
+    def _output(self, req: _Request, finished: bool | None = None) -> RequestOutput:
+        if finished is None:
+            finished = req.finished
         delta = self.progress_deltas and not finished
         first = not delta or all(seq.reported == (0, 0) for seq in req.seqs)
         # The tail might be the start of a stop string that a later token completes: holding it
         # back keeps streamed text from ever shrinking.
         stops = req.params.stop_list
         hold = max(len(s) for s in stops) - 1 if stops and self.tokenizer is not None else 0
+        has_text = self.tokenizer is not None
         completions = []
         for seq in req.seqs:
             text = None
-            if self.tokenizer is not None:
+            if has_text:
                 text = seq.output_text
                 if hold and not seq.is_finished:
                     text = text[:max(0, len(text) - hold)]
             tokens, chars = seq.reported if delta else (0, 0)
+            out_ids = seq.output_token_ids
             if delta:
-                seq.reported = (len(seq.output_token_ids), len(text or ""))
+                seq.reported = (len(out_ids), len(text) if has_text else 0)
             completions.append(CompletionOutput(
-                index=seq.index, text=None if text is None else text[chars:], token_ids=seq.output_token_ids[tokens:],
-                logprobs=seq.logprobs[tokens:] if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                seq.index, None if text is None else text[chars:], out_ids[tokens:],
+                seq.logprobs[tokens:] if seq.logprobs is not None else None,
+                seq.status.finish_reason, seq.stop_reason))
         prompt_ids = list(req.prompt_token_ids) if first else []
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=prompt_ids,
-                             outputs=completions, finished=finished, weight_version=self.weight_version,
-                             error=req.error, delta=delta)
+        return RequestOutput(req.request_id, req.prompt, prompt_ids, completions, finished, self.weight_version,
+                             req.error, delta)
 
     def _validate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                   params: SamplingParams) -> list[int]:
