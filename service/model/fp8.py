@@ -167,10 +167,10 @@ if triton is not None:
                          BLOCK_K: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
         """gemv.py's bandwidth-shaped decode GEMM on FP8 rows: BLOCK_N output rows per program
         (the grid covers every SM twice), K streamed in steps of BLOCK_K // SUB scale blocks
-        (SUB = min(BK, BLOCK_K)), the weight tile scaled elementwise, fp32 throughout. At one
-        row the products accumulate elementwise and reduce once at the end: per-step
-        reductions made this kernel 3x slower than the bf16 GEMV for half the bytes. At one row the
-        first weight and scale tiles are loaded before the PDL wait (weights only, as in gemv.py)."""
+        (SUB = min(BK, BLOCK_K)), the weight tile scaled elementwise. At one row fp32 throughout,
+        the products accumulated elementwise and reduced once at the end: per-step reductions
+        made this kernel 3x slower than the bf16 GEMV for half the bytes. The first weight and
+        scale tiles are loaded before the PDL wait (weights only, as in gemv.py)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
         kblocks = tl.cdiv(K, BK)
@@ -191,20 +191,50 @@ if triton is not None:
                 acc1 += w * scale * xv[None, :]
             tl.store(y_ptr + n, tl.sum(acc1, 1).to(y_ptr.dtype.element_ty), mask=nmask)
         else:
-            pdl.enter(PDL)
-            m = tl.arange(0, BLOCK_M)
+            # From 2 rows: the bf16 GEMV's tensor-core tiles (`dot_config`), rows padded to
+            # BLOCK_M, each weight tile scaled in fp32 and rounded to x's dtype for the dot (the
+            # W8A16 kernel's roundings). The first weight and scale tiles before the PDL wait.
+            m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
             mmask = m < M
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            dtype = x_ptr.dtype.element_ty
+            k = tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            scale = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+            pdl.enter(PDL)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < K
-                w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                w = w * _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+                w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+                scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
                 xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
-                             other=0.0).to(tl.float32)
-                acc += tl.sum(xv[:, None, :] * w[None, :, :], 2)
+                             other=0.0)
+                acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), acc)
             tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=mmask[:, None] & nmask[None, :])
+
+
+def gemv_max_rows() -> int:
+    """Up to this many rows FP8 projections take the GEMV's shapes (one row: the register product;
+    from 2 rows tensor-core tiles over narrow outputs, `dot_config`); above, the W8A16 kernel's
+    64-128-wide output tiles. Those left most SMs idle at decode batches (o_proj at 8 rows: 32
+    programs on 132 SMs), and FP8 decode took 1.00 / 1.06x bf16's time at batches 8 / 64 for half
+    the weight bytes (run 31). LATENTSERVE_FP8_GEMV_MAX_ROWS (1: the one-row GEMV only, the
+    bench's baseline `fp8_wide_tiles`); never above the bf16 GEMV's limit."""
+    return min(gemv.max_rows(), int(os.environ.get("LATENTSERVE_FP8_GEMV_MAX_ROWS", "64")))
+
+
+def dot_config(m: int, n: int, k: int, sms: int) -> dict:
+    """The FP8 GEMV's launch shape from 2 rows: gemv.dot_config's rows and outputs a program, K
+    steps of up to 512 FP8 columns while a stage's x and weight tiles fit 40 KB (5 of them at 4
+    stages, as there) and the scaled fp32 tile stays at 8K elements (64 registers a thread)."""
+    bm, bn = gemv.rows_tile(m, True), max(16, gemv.block_n(n, sms))
+    bk = max(16, min(512, triton.next_power_of_2(k)))
+    while bk > 32 and ((2 * bm + bn) * bk > 40 * 1024 or bn * bk > 8192):
+        bk //= 2
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -218,14 +248,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     # Small M (decode): narrow N tiles so even one token spreads the weight over many SMs.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
-    if m == 1 and gemv.max_rows() >= 1:  # one decode row: bandwidth-shaped, no tensor-core tiles
-        cfg = gemv.config(m, n, k, gemv.sm_count(x.device), max_k=1024)
-        block_k = cfg["BLOCK_K"]
-        _gemv_fp8_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+    if m <= gemv_max_rows() and m < w8a8_min_rows():  # decode rows: bandwidth-shaped
+        sms = gemv.sm_count(x.device)
+        cfg = {"BLOCK_M": 1, **gemv.config(m, n, k, sms, max_k=1024)} if m == 1 else dot_config(m, n, k, sms)
+        _gemv_fp8_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))](
             x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-            BN=bn, BK=bk, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-            SUB=min(bk, block_k), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **pdl.launch(x.device))
+            BN=bn, BK=bk, SUB=min(bk, cfg["BLOCK_K"]), **cfg, **pdl.launch(x.device))
         return out
     if m >= w8a8_min_rows() and bk in (64, 128, 256):
         return _linear_w8a8(x, weight, scale, out, bn, bk)

@@ -36,12 +36,14 @@ def quantized(n: int, k: int, g: torch.Generator, block=(128, 128), experts: int
     return q.to(DEVICE), s.to(DEVICE)
 
 
-@pytest.mark.parametrize("m,gemv_rows", [(1, "8"), (8, "8"), (1, "0"), (8, "0"), (64, "8"), (300, "8")])
+@pytest.mark.parametrize("m,gemv_rows", [(1, "8"), (8, "8"), (1, "0"), (8, "0"), (64, "8"), (300, "8"), (5, "64"),
+                                         (40, "64"), (64, "64"), (8, "1")])
 @pytest.mark.parametrize("n,k", [(256, 512), (200, 300), (576, 2048)])
 def test_linear_kernel_matches_dequantized_reference(m, gemv_rows, n, k, monkeypatch):
-    """W8A16 at every M: the FP8 GEMV at one row (LATENTSERVE_GEMV_MAX_ROWS 0: the tensor-core
-    kernel there too), the dequantizing tensor-core kernel from 2 rows (W8A8 kept off here: it
-    has its own test)."""
+    """W8A16 at every M: the FP8 GEMV, its register product at one row and its tensor-core
+    tiles up to LATENTSERVE_GEMV_MAX_ROWS rows (here 8 or 64; 0: the W8A16 kernel's wide tiles
+    from one row, 1: from 2 rows), above that the W8A16 kernel (W8A8 kept off here: it has its
+    own test)."""
     monkeypatch.setenv("LATENTSERVE_FP8_W8A8_MIN_ROWS", "1000000")
     monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", gemv_rows)
     g = torch.Generator().manual_seed(m * 7 + n + k)
