@@ -33,11 +33,14 @@ def shared_bytes(kernel, consts: dict, num_warps: int, num_stages: int, pointers
     names = kernel.arg_names
     if "PDL" in names:  # the GPU launch on sm_90: programmatic dependent launch (model/pdl.py)
         consts = {"PDL": True, **consts}
+    consts = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **consts}
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in consts]
+    assert not missing, f"constexprs the launch sets but this case does not: {missing}"
     sig, attrs = {}, {}
     for i, a in enumerate(names):
         types = {**POINTERS, **(pointers or {})}
         sig[a] = ("constexpr" if a in consts else "*" + types.get(a, "fp32") if a.endswith("_ptr")
-                  else "fp32" if a in ("beta", "linear_beta") else "i32")
+                  else "fp32" if a in ("beta", "linear_beta", "eps", "scale") else "i32")
         if sig[a] not in ("constexpr", "fp32"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -56,11 +59,18 @@ LAUNCHES = [(f"w8a16 {bm}x{bn}", lambda bm=bm, bn=bn: (fp8._w8a16_kernel, dict(B
             for bm, bn in [(16, 64), (32, 64), (64, 64), (64, 128)]]
 LAUNCHES += [(f"w8a8 {bm}x128", lambda bm=bm: (fp8._w8a8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=128),
                                                8 if bm == 128 else 4, 3)) for bm in (64, 128)]
-# fp8._linear's GEMV: gemv.config(max_k=1024) at 1 row (4 rows per program, 1024-wide K steps of 8
-# scale blocks) and 8 rows.
-LAUNCHES += [(f"gemv {bm} rows", lambda bm=bm, bn=bn, bk=bk: (
-    fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB=128), 4, 4))
-    for bm, bn, bk in [(1, 4, 1024), (1, 16, 512), (8, 4, 256)]]
+# fp8._linear's GEMV: gemv.config(max_k=1024) at 1 row (4 or 16 rows per program, 1024 and
+# 512-wide K steps of 8 and 4 scale blocks).
+LAUNCHES += [(f"gemv 1 row x {bn}", lambda bn=bn, bk=bk: (
+    fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SUB=128), 4, 4))
+    for bn, bk in [(4, 1024), (16, 512)]]
+# ... and its tensor-core tiles from 2 rows (fp8.dot_config) at `small`'s projections, 8 and 64 rows.
+for _m in (8, 64):
+    for _n, _k in ((1344, 2048), (3072, 768), (2048, 2048)):
+        _c = fp8.dot_config(_m, _n, _k, 132)
+        LAUNCHES += [(f"gemv dot {_m} rows {_n}x{_k}", lambda c=_c: (
+            fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                                       SUB=min(128, c["BLOCK_K"])), c["num_warps"], c["num_stages"]))]
 # fp8_moe.expert_configs at a 1024-wide latent and a 768 shard, below and above 32 pairs.
 for _pairs in (8, 64):
     _g, _d = fp8_moe.expert_configs(_pairs, 1024, 768)
@@ -104,14 +114,16 @@ for _batch in (1, 8, 64, 256):
     _cfg = mla_decode.launch_config(_batch, 16)
     for _write in (False, True):
         LAUNCHES += [(f"mla decode batch {_batch} write_kv={_write}", lambda c=_cfg, w=_write, b=_batch: (
-            mla_decode._mla_decode_split, dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=16, BLOCK_N=c["BLOCK_N"],
-                                               NUM_SPLITS=mla_decode.num_splits(b, 16), WRITE_KV=w, IEEE=False),
+            mla_decode._mla_decode_split, dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=16, NUM_SPLITS=mla_decode.num_splits(b, 16),
+                                               WRITE_KV=w, IEEE=False, PREFETCH_BT=c.get("PREFETCH_BT", False),
+                                               BLOCK_N=c["BLOCK_N"]),
             c["num_warps"], c["num_stages"], MLA))]
 
 # The bf16 GEMV at one row, alone and summing a pair of projections.
 GEMV = {"w_ptr": "bf16", "x2_ptr": "bf16", "w2_ptr": "bf16"}
 LAUNCHES += [(f"bf16 gemv pair={_pair}", lambda p=_pair: (
-    gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, PAIR=p), 4, 4, GEMV)) for _pair in (False, True)]
+    gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, PAIR=p, DOT=False, IEEE=False, NORM=False, SLOTS=0), 4, 4,
+    GEMV)) for _pair in (False, True)]
 LAUNCHES += [("bf16 moe entry", lambda: (moe_entry._entry_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_N=8, BLOCK_K=512), 4, 4,
                                          {"down_ptr": "bf16", "shared_ptr": "bf16", "router_ptr": "bf16",
                                           "latent_ptr": "bf16", "h_ptr": "bf16", "logits_ptr": "fp32"}))]
