@@ -411,13 +411,13 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
             "device_ms": kernel_us / 1e3, "table": table, "kernel_counts": counts}
 
 
-def mode_graph_ms(args, env: dict[str, str]) -> dict:
+def mode_graph_ms(args, env: dict[str, str], **kw) -> dict:
     """Decode graph step ms per batch, and replay profiles, of the same model built under `env`
     (LATENTSERVE_COMPILE=0: nothing compiled, =chains: only the elementwise chains;
     LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts). Without prefill graphs,
     which decode steps never replay: their capture was ~12 s of each build (run 45)."""
     with switches({"LATENTSERVE_PREFILL_GRAPHS": "0", **env}):
-        ms, profiles = measured(decode_llm(args), partial(_graph_ms, args))
+        ms, profiles = measured(decode_llm(args, **kw), partial(_graph_ms, args))
     log(f"decode with {env} (graph ms): {ms}; kernels per layer: "
         f"{ {p['batch']: round(p['kernels_per_layer'], 1) for p in profiles} }")
     return {"ms": ms, "profiles": profiles}
@@ -435,6 +435,10 @@ def _graph_ms(args, llm: LLM) -> tuple[dict, list]:
                 profiles.append(profile_replay(worker.decode_graphs, batch, layers))
     return ms, profiles
 
+
+# The FP8 build is timed against these (--fp8-baselines). fp8_wide_tiles: FP8 projections of
+# 2-64 rows on the W8A16 kernel's 64-wide output tiles, as before fp8.dot_config.
+FP8_BASELINES = {"fp8_wide_tiles": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "1"}}
 
 # The default build (layers compiled, Triton MoE kernels) is timed against these, same model.
 # torch_grouped: torch._grouped_mm above the GEMV limit instead of the Triton grouped GEMM
@@ -590,6 +594,9 @@ def bench_fp8(args, bw: float, ref_logits: dict | None) -> None:
     (kernels), next to the bf16 build's Triton vs torch logits: the noise floor. A random
     24-layer routed model amplifies rounding-sized differences (top-k choices flip), so only a
     kernel error well above that floor means a kernel is wrong."""
+    baselines = {name: isolated(f"fp8 baseline {name}", partial(mode_graph_ms, args, env, quantization="fp8"),
+                                ms={}, profiles=[])
+                 for name, env in FP8_BASELINES.items() if name in args.fp8_baselines}
     llm = decode_llm(args, quantization="fp8")
     worker, rows = llm.executor.rank0, []
     for batch in args.batches:
@@ -602,13 +609,17 @@ def bench_fp8(args, bw: float, ref_logits: dict | None) -> None:
             ms = timed(partial(worker.execute, plan), args.device, args.iters) * 1e3
         rows.append({"batch": batch, "bytes": need, "floor_ms": need / bw * 1e3, "graph_ms": ms,
                      "floor_fraction": need / bw * 1e3 / ms, **floor})
+        for name, other in baselines.items():  # the baseline's step over this one's, same run
+            rows[-1][f"{name}_graph_ms"] = other["ms"].get(batch, float("nan"))
+            rows[-1][f"{name}_ratio"] = rows[-1][f"{name}_graph_ms"] / ms
         if batch in args.profile_batches and worker.decode_graphs is not None:
             prof = profile_replay(worker.decode_graphs, batch, len(worker.model.layers))
             rows[-1]["kernels_per_layer"] = prof["kernels_per_layer"]
             print(f"FP8 graph replay, batch {batch}: {prof['kernels']} kernels "
                   f"({prof['kernels_per_layer']:.1f} per layer), {prof['device_ms']:.2f} ms of device time\n{prof['table']}")
         log(f"fp8 decode batch {batch}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()})}")
-    out = {"decode": rows, "graphs": worker.decode_graphs.stats() if worker.decode_graphs else "off"}
+    out = {"decode": rows, "graphs": worker.decode_graphs.stats() if worker.decode_graphs else "off",
+           "baselines": baselines}
     if ref_logits is not None:
         ours = prompt_logits(llm)
         out["logits"] = {"fp8_vs_bf16": compare_logits(ours, ref_logits["triton"]),
@@ -938,6 +949,9 @@ def print_table(args, bw: float) -> None:
             print(f"  batch {r['batch']:4d}: FP8 floor {r['floor_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms, "
                   f"floor/step {r['floor_fraction']:.3f}, {r['bytes'] / 1e9:.2f} GB read; bf16 graph {b:.3f} ms "
                   f"-> FP8 {b / r['graph_ms']:.2f}x")
+            for name in f8.get("baselines", {}):
+                print(f"    baseline {name} {FP8_BASELINES[name]}: {r.get(name + '_graph_ms', nan):.3f} ms "
+                      f"({r.get(name + '_ratio', nan):.2f}x this build's)")
     k3 = RESULTS.get("k3")
     if k3:
         print(f"Kimi-K3 shapes, {K3_BENCH['num_hidden_layers']} layers (6 KDA + 2 MLA), "
@@ -986,6 +1000,8 @@ def main() -> None:
                     help=f"k3graphs: comma list of {','.join(K3_CONFIGS)}, the first the others' baseline")
     ap.add_argument("--baselines", default=",".join(BASELINES), type=lambda s: [x for x in s.split(",") if x],
                     help="in-run baselines of the decode section (names in BASELINES)")
+    ap.add_argument("--fp8-baselines", default=",".join(FP8_BASELINES),
+                    type=lambda s: [x for x in s.split(",") if x], help="in-run baselines of the FP8 section")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kv-gib", type=int, default=8, help="KV cache; batch 256 at context 1024 needs 7.4 GB")
     ap.add_argument("--iters", type=int, default=50)

@@ -7,11 +7,12 @@
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
 # own shape, and the GEMV at 128 and 256 rows. `k3_tests` is the gate for Kimi-K3's step kernel as
 # a default: greedy tokens in CUDA graphs against eager with the K3 switches on, and the KDA
-# layer's graph replays (run 50 gave it 135 s, too few for the cold compile).
+# layer's graph replays (run 50 gave it 135 s, too few for the cold compile). `fp8`: FP8 decode
+# with its projections of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|fp8|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +78,14 @@ if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode gr
     > "$OUT/k3graphs.log" 2>&1
   echo "== k3graphs rc=$?"
   grep -E "k3-small|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs.log" | cut -c1-300 | head -80
+fi
+if [ "$what" = fp8 ]; then  # FP8 decode against bf16 and against its wide-tile baseline, then its kernel tests
+  timeout "$(( $(left) > 400 ? 400 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
+    --skip hf,sleep,k3,k3graphs,tail,prefill --batches 1,8,64,256 --profile-batches 8,64 --baselines "" \
+    --json "$OUT/fp8.json" > "$OUT/fp8.log" 2>&1
+  echo "== fp8 bench rc=$?"
+  grep -E "decode batch|fp8 decode|FP8|baseline|logits|capture_failed|Error" "$OUT/fp8.log" | cut -c1-260
+  group fp8_tests "$(left)" tests/gpu/test_fp8.py -k "linear or w8a8"
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
