@@ -81,7 +81,7 @@ if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode gr
 fi
 if [ "$what" = fp8 ]; then  # FP8 decode against bf16 and against its wide-tile baseline, then its kernel tests
   timeout "$(( $(left) > 400 ? 400 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail,prefill --batches 1,8,64,256 --profile-batches 8,64 --baselines "" \
+    --skip hf,sleep,k3,k3graphs,tail,prefill --batches 1,8,64,256 --profile-batches 8,64,256 --baselines "" \
     --json "$OUT/fp8.json" > "$OUT/fp8.log" 2>&1
   echo "== fp8 bench rc=$?"
   grep -E "decode batch|fp8 decode|FP8|baseline|logits|capture_failed|Error" "$OUT/fp8.log" | cut -c1-260

@@ -222,8 +222,9 @@ def gemv_max_rows() -> int:
     64-128-wide output tiles. Those left most SMs idle at decode batches (o_proj at 8 rows: 32
     programs on 132 SMs), and FP8 decode took 1.00 / 1.06x bf16's time at batches 8 / 64 for half
     the weight bytes (run 31). LATENTSERVE_FP8_GEMV_MAX_ROWS (1: the one-row GEMV only, the
-    bench's baseline `fp8_wide_tiles`); never above the bf16 GEMV's limit."""
-    return min(gemv.max_rows(), int(os.environ.get("LATENTSERVE_FP8_GEMV_MAX_ROWS", "64")))
+    bench's baseline `fp8_wide_tiles`; 256 with LATENTSERVE_FP8_W8A8_MIN_ROWS above it: 64-row
+    blocks up to 256, `fp8_gemv_256`); none with the GEMV off (LATENTSERVE_GEMV_MAX_ROWS=0)."""
+    return int(os.environ.get("LATENTSERVE_FP8_GEMV_MAX_ROWS", "64")) if gemv.max_rows() > 0 else 0
 
 
 def dot_config(m: int, n: int, k: int, sms: int) -> dict:

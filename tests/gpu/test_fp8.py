@@ -37,15 +37,16 @@ def quantized(n: int, k: int, g: torch.Generator, block=(128, 128), experts: int
 
 
 @pytest.mark.parametrize("m,gemv_rows", [(1, "8"), (8, "8"), (1, "0"), (8, "0"), (64, "8"), (300, "8"), (5, "64"),
-                                         (40, "64"), (64, "64"), (8, "1")])
+                                         (40, "64"), (64, "64"), (8, "1"), (130, "256")])
 @pytest.mark.parametrize("n,k", [(256, 512), (200, 300), (576, 2048)])
 def test_linear_kernel_matches_dequantized_reference(m, gemv_rows, n, k, monkeypatch):
     """W8A16 at every M: the FP8 GEMV, its register product at one row and its tensor-core
-    tiles up to LATENTSERVE_GEMV_MAX_ROWS rows (here 8 or 64; 0: the W8A16 kernel's wide tiles
+    tiles up to this many rows (8, 64, or 256 in 64-row blocks; 0: the W8A16 kernel's wide tiles
     from one row, 1: from 2 rows), above that the W8A16 kernel (W8A8 kept off here: it has its
     own test)."""
     monkeypatch.setenv("LATENTSERVE_FP8_W8A8_MIN_ROWS", "1000000")
-    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", gemv_rows)
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", min(gemv_rows, "64", key=int))
+    monkeypatch.setenv("LATENTSERVE_FP8_GEMV_MAX_ROWS", gemv_rows)
     g = torch.Generator().manual_seed(m * 7 + n + k)
     q, s = quantized(n, k, g)
     x = torch.randn(m, k, generator=g).to(DEVICE, ACT_DTYPE)
