@@ -64,8 +64,8 @@ LAUNCHES += [(f"w8a8 {bm}x128", lambda bm=bm: (fp8._w8a8_kernel, dict(BLOCKS, BL
 LAUNCHES += [(f"gemv 1 row x {bn}", lambda bn=bn, bk=bk: (
     fp8._gemv_fp8_kernel, dict(BLOCKS, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SUB=128), 4, 4))
     for bn, bk in [(4, 1024), (16, 512)]]
-# ... and its tensor-core tiles from 2 rows (fp8.dot_config) at `small`'s projections, 8 and 64 rows.
-for _m in (8, 64):
+# ... and its tensor-core tiles from 2 rows (fp8.dot_config) at `small`'s projections, 8 to 256 rows.
+for _m in (8, 64, 256):
     for _n, _k in ((1344, 2048), (3072, 768), (2048, 2048)):
         _c = fp8.dot_config(_m, _n, _k, 132)
         LAUNCHES += [(f"gemv dot {_m} rows {_n}x{_k}", lambda c=_c: (

@@ -232,6 +232,8 @@ def dot_config(m: int, n: int, k: int, sms: int) -> dict:
     steps of up to 512 FP8 columns while a stage's x and weight tiles fit 40 KB (5 of them at 4
     stages, as there) and the scaled fp32 tile stays at 8K elements (64 registers a thread)."""
     bm, bn = gemv.rows_tile(m, True), max(16, gemv.block_n(n, sms))
+    if m > bm:  # 64-row blocks: wider outputs a program, as gemv.dot_config's, for fewer x re-reads
+        bn = next(b for b in (64, 32, 16) if b == 16 or triton.cdiv(n, b) * triton.cdiv(m, bm) * 4 >= sms * 3)
     bk = max(16, min(512, triton.next_power_of_2(k)))
     while bk > 32 and ((2 * bm + bn) * bk > 40 * 1024 or bn * bk > 8192):
         bk //= 2
