@@ -486,6 +486,9 @@ BASELINES = {"uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE
              "slot_norm": {"LATENTSERVE_MOE_SLOT_NORM": "1"},
              # Candidate, not yet timed: q's rope inside the MLA decode kernel in decode-only steps.
              "rope_in_decode": {"LATENTSERVE_MLA_ROPE_IN_DECODE": "1"},
+             # Candidate, not yet timed: the MLA absorb kernels' tiles above 16 rows by the fewest
+             # bytes through the busiest SM (mla_absorb.l2_tiles).
+             "absorb_l2_tiles": {"LATENTSERVE_MLA_ABSORB_L2_TILES": "1"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
              # The GEMV at one row only (its register product), cuBLAS from 2 rows: the default before

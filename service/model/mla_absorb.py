@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from . import pdl
+from . import gemv, pdl
 
 try:
     import triton
@@ -69,6 +69,32 @@ def _steps(batch: int, k: int, block_j: int) -> tuple[int, int]:
     if batch <= wide_k_max_rows():
         return min(256, triton.next_power_of_2(k)), max(16, block_j // 2)
     return 64, block_j
+
+
+def l2_tiles_enabled() -> bool:
+    """LATENTSERVE_MLA_ABSORB_L2_TILES=1 (not yet timed; bench/gpu.py's `absorb_l2_tiles`): above
+    the wide-K rows, `l2_tiles` chooses the sequences and outputs a program instead of 64 x 64 / 32."""
+    return os.environ.get("LATENTSERVE_MLA_ABSORB_L2_TILES", "0") == "1"
+
+
+def l2_tiles(b: int, h: int, k: int, j: int, x_bytes: int, w_bytes: int, sms: int) -> tuple[int, int]:
+    """(BLOCK_B, BLOCK_J) with the fewest bytes through the busiest SM: each program reads its rows
+    of x (every K) and its head's K x BLOCK_J weight slice from L2, and an SM runs ceil(programs /
+    SMs) of them. That count explained the 64-row GEMV (6.1 us for fused_qkv_a: 320 KB a program
+    at ~55 KB/us an SM; bench/RESULTS.md). W_UV at 64 rows (fp32 x, 64 x 32 tiles): 64 programs
+    of 160 KB; 16 x 64: 128 of 96 KB. Ties: fewer programs."""
+    best = None
+    for bb in (16, 32, 64):
+        if bb > 16 and bb // 2 >= b:
+            continue
+        for bj in (16, 32, 64, 128):
+            if bj > max(16, triton.next_power_of_2(j)) or bb * bj > 8192:
+                continue
+            programs = triton.cdiv(b, bb) * h * triton.cdiv(j, bj)
+            cost = triton.cdiv(programs, sms) * (min(bb, b) * k * x_bytes + k * bj * w_bytes)
+            if best is None or (cost, programs) < best[0]:
+                best = ((cost, programs), bb, bj)
+    return best[1], best[2]
 
 
 if triton is not None:
@@ -125,6 +151,8 @@ if triton is not None:
             return out
         bb = _rows_block(b)
         block_k, block_j = _steps(b, k, block_j)
+        if b > wide_k_max_rows() and l2_tiles_enabled():
+            bb, block_j = l2_tiles(b, h, k, w.shape[j_dim], x.element_size(), w.element_size(), gemv.sm_count(x.device))
         _per_head_kernel[(triton.cdiv(b, bb), h, triton.cdiv(w.shape[j_dim], block_j))](
             x, w, out, gate if gate is not None else out, b, k, w.shape[j_dim], x.stride(0), x.stride(1), w.stride(0),
             w.stride(k_dim), w.stride(j_dim), stride_ob, stride_oh, gate.stride(0) if gate is not None else 0,

@@ -92,6 +92,31 @@ def test_wide_k_steps_match_float64(monkeypatch, dtype, tol, batch):
         assert err < tol, f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("batch", [17, 40, 64, 100, 130])
+def test_l2_tiles_match_float64(monkeypatch, dtype, tol, batch):
+    """LATENTSERVE_MLA_ABSORB_L2_TILES: above the wide-K rows, the rows and outputs a program that
+    `l2_tiles` picks (16-64 rows, 16-128 outputs; the grid's row blocks end mid-block at 17, 40, 100
+    and 130) at DeepSeek-V3's head dims."""
+    monkeypatch.setenv("LATENTSERVE_MLA_ABSORB_L2_TILES", "1")
+    heads, nope, v, lora = 16, 128, 128, 512
+    _, w_uk, w_uv = kv_b(heads, nope, v, lora, dtype, seed=batch)
+    g = torch.Generator().manual_seed(batch)
+    q = torch.randn(batch, heads, nope, generator=g).to(DEVICE, dtype)
+    o = torch.randn(batch, heads, lora, generator=g).to(DEVICE)
+    size = w_uk.element_size()
+    picked = {mla_absorb.l2_tiles(batch, heads, nope, lora, q.element_size(), size, 132),
+              mla_absorb.l2_tiles(batch, heads, lora, v, 4, size, 132)}
+    assert picked - {(64, 64), (64, 32)}, "no tile differs from the default ones"
+    q_lat = torch.ops.latentserve.mla_absorb_q(q, w_uk)
+    out = torch.ops.latentserve.mla_absorb_out(o, w_uv)
+    refs = (torch.einsum("bhn,hnd->bhd", q.cpu().double(), w_uk.cpu().double()),
+            torch.einsum("bhd,hvd->bhv", o.to(dtype).cpu().double(), w_uv.cpu().double()).reshape(batch, heads * v))
+    for got, ref in zip((q_lat, out), refs):
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < tol, f"relative error {err:.2e}"
+
+
 def test_empty_batch():
     w, w_uk, w_uv = kv_b(4, 32, 32, 64, torch.float32)
     assert torch.ops.latentserve.mla_absorb_q(torch.empty(0, 4, 32, device=DEVICE), w_uk).shape == (0, 4, 64)
