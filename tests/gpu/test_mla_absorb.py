@@ -72,13 +72,10 @@ def test_absorb_out_matches_float64(dtype, tol, batch, heads):
     assert err < tol, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("batch", [1, 5, 16, 40])
-def test_wide_k_steps_match_float64(monkeypatch, dtype, tol, batch):
-    """LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS: 128- and 256-wide K steps at DeepSeek-V3's head dims
-    (nope 128, kv_lora_rank 512) up to 16 sequences, the 64-wide ones above (40)."""
-    monkeypatch.setenv("LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS", "16")
-    heads, nope, v, lora = 4, 128, 128, 512
+def check_both_at_deepseek_dims(batch: int, heads: int, dtype, tol: float) -> None:
+    """absorb_q and absorb_out at DeepSeek-V3's head dims (nope and v 128, kv_lora_rank 512)
+    against float64."""
+    nope, v, lora = 128, 128, 512
     _, w_uk, w_uv = kv_b(heads, nope, v, lora, dtype, seed=batch)
     g = torch.Generator().manual_seed(batch)
     q = torch.randn(batch, heads, nope, generator=g).to(DEVICE, dtype)
@@ -90,6 +87,15 @@ def test_wide_k_steps_match_float64(monkeypatch, dtype, tol, batch):
     for got, ref in zip((q_lat, out), refs):
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5, 16, 40])
+def test_wide_k_steps_match_float64(monkeypatch, dtype, tol, batch):
+    """LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS: 128- and 256-wide K steps up to 16 sequences, the
+    64-wide ones above (40)."""
+    monkeypatch.setenv("LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS", "16")
+    check_both_at_deepseek_dims(batch, 4, dtype, tol)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
@@ -97,24 +103,13 @@ def test_wide_k_steps_match_float64(monkeypatch, dtype, tol, batch):
 def test_l2_tiles_match_float64(monkeypatch, dtype, tol, batch):
     """LATENTSERVE_MLA_ABSORB_L2_TILES: above the wide-K rows, the rows and outputs a program that
     `l2_tiles` picks (16-64 rows, 16-128 outputs; the grid's row blocks end mid-block at 17, 40, 100
-    and 130) at DeepSeek-V3's head dims."""
+    and 130)."""
     monkeypatch.setenv("LATENTSERVE_MLA_ABSORB_L2_TILES", "1")
-    heads, nope, v, lora = 16, 128, 128, 512
-    _, w_uk, w_uv = kv_b(heads, nope, v, lora, dtype, seed=batch)
-    g = torch.Generator().manual_seed(batch)
-    q = torch.randn(batch, heads, nope, generator=g).to(DEVICE, dtype)
-    o = torch.randn(batch, heads, lora, generator=g).to(DEVICE)
-    size = w_uk.element_size()
-    picked = {mla_absorb.l2_tiles(batch, heads, nope, lora, q.element_size(), size, 132),
-              mla_absorb.l2_tiles(batch, heads, lora, v, 4, size, 132)}
+    size = torch.tensor([], dtype=dtype).element_size()
+    picked = {mla_absorb.l2_tiles(batch, 16, 128, 512, size, size, 132),
+              mla_absorb.l2_tiles(batch, 16, 512, 128, 4, size, 132)}
     assert picked - {(64, 64), (64, 32)}, "no tile differs from the default ones"
-    q_lat = torch.ops.latentserve.mla_absorb_q(q, w_uk)
-    out = torch.ops.latentserve.mla_absorb_out(o, w_uv)
-    refs = (torch.einsum("bhn,hnd->bhd", q.cpu().double(), w_uk.cpu().double()),
-            torch.einsum("bhd,hvd->bhv", o.to(dtype).cpu().double(), w_uv.cpu().double()).reshape(batch, heads * v))
-    for got, ref in zip((q_lat, out), refs):
-        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < tol, f"relative error {err:.2e}"
+    check_both_at_deepseek_dims(batch, 16, dtype, tol)
 
 
 def test_empty_batch():
