@@ -3,7 +3,9 @@
 # call each: on a cold H200 the GPU tests alone took ~490 s (run9, 2026-12-03: Inductor and
 # Triton compile everything first), and `bench` (decode bf16 and FP8 with in-run baselines,
 # prefill with its variants, then HTTP serving at 64 and 256 streams with the engine's step
-# phases) ~400 s. `all` runs the bench first, so a short budget still measures. `sweeps` (a call
+# phases) ~400 s. The persistent-kernel probe and the mixed-step warm-up check answered in run
+# 47; bench/persistent_probe.py and bench/mixed_steps.py stay for reruns by hand. `all` runs
+# the bench first, so a short budget still measures. `sweeps` (a call
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
 # own shape, and the GEMV at 128 and 256 rows. `k3_tests` is the gate for Kimi-K3's step kernel as
 # a default: greedy tokens in CUDA graphs against eager with the K3 switches on, and the KDA
@@ -42,18 +44,11 @@ if { [ "$what" = bench ] || [ "$what" = all ]; } && [ "$(left)" -gt 120 ]; then
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
-  # A GEMV chain as one persistent kernel against PDL launches (bench/notes/batch1-launch-floor.md).
-  timeout 90 python3 bench/persistent_probe.py --json "$OUT/persistent_probe.json" > "$OUT/persistent_probe.log" 2>&1
-  echo "== persistent_probe rc=$?"; grep -E "persistent-probe|Error" "$OUT/persistent_probe.log" | cut -c1-400
   if [ "$(left)" -gt 150 ]; then
     s=$(date +%s)
     OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --requests 256 > "$OUT/serve_all.log" 2>&1
     echo "== serve rc=$? $(( $(date +%s) - s ))s"
     grep -E "serve-bench" "$OUT/serve_all.log" | cut -c1-900  # execute_<kind>_ms / _max_ms: slow mixed steps
-  fi
-  if [ "$(left)" -gt 100 ]; then  # first uses inside mixed steps: first wave over a warm one
-    timeout "$(( $(left) - 10 ))" python3 bench/mixed_steps.py --json "$OUT/mixed_steps.json" > "$OUT/mixed_steps.log" 2>&1
-    echo "== mixed_steps rc=$?"; grep -E "^mixed steps|wave [0-9]" "$OUT/mixed_steps.log" | cut -c1-600
   fi
 fi
 if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
