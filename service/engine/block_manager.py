@@ -43,6 +43,8 @@ class BlockManager:
     def try_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow `seq`'s table to cover `num_new_tokens` more computed tokens, if the free blocks
         allow it; else False and nothing changes (the scheduler then preempts)."""
+        # blocks_missing's arithmetic inline: calling it (and blocks_for) cost ~0.35 ms of a 1.3 ms
+        # schedule() at 256 streams on this CPU (bench/host_step.py).
         need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
