@@ -233,7 +233,7 @@ def dot_config(m: int, n: int, k: int, sms: int) -> dict:
     stages, as there) and the scaled fp32 tile stays at 8K elements (64 registers a thread)."""
     bm, bn = gemv.rows_tile(m, True), max(16, gemv.block_n(n, sms))
     if m > bm:  # 64-row blocks: wider outputs a program, as gemv.dot_config's, for fewer x re-reads
-        bn = next(b for b in (64, 32, 16) if b == 16 or triton.cdiv(n, b) * triton.cdiv(m, bm) * 4 >= sms * 3)
+        bn = gemv.tall_block_n(m, n, bm, sms)
     bk = max(16, min(512, triton.next_power_of_2(k)))
     while bk > 32 and ((2 * bm + bn) * bk > 40 * 1024 or bn * bk > 8192):
         bk //= 2

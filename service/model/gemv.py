@@ -276,8 +276,7 @@ if triton is not None:
             # `gemv_256`, not yet timed). Each program re-reads its 64 rows of x from L2, 4x its
             # weight bytes at 16 outputs a program: the widest outputs that still give ~3/4 of the
             # SMs a program (a 2048-wide projection at 256 rows: 64, 128 programs).
-            bn = int(os.environ.get("LATENTSERVE_GEMV_TALL_BLOCK_N", "0")) or next(
-                b for b in (64, 32, 16) if b == 16 or triton.cdiv(n, b) * triton.cdiv(m, bm) * 4 >= sms * 3)
+            bn = int(os.environ.get("LATENTSERVE_GEMV_TALL_BLOCK_N", "0")) or tall_block_n(m, n, bm, sms)
         elif bn == 16 and triton.cdiv(n, 32) >= 96 and os.environ.get("LATENTSERVE_GEMV_WIDE_TILES", "1") != "0":
             # Wide outputs (q_b, 3072 x 768): 32 rows a program still fill ~3/4 of the SMs and
             # re-read x half as often (bench/gemv.py --sweep, runs 39-40: 64 rows 7.25 -> 4.18 us,
@@ -288,6 +287,11 @@ if triton is not None:
         while bk > 32 and (bm + bn) * bk * itemsize > 40 * 1024:
             bk //= 2
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4, "DOT": True}
+
+    def tall_block_n(m: int, n: int, block_m: int, sms: int) -> int:
+        """Outputs a program above 64 rows: the widest of 64, 32, 16 that still gives ~3/4 of the
+        SMs a program, since each program re-reads its block_m rows of x from L2."""
+        return next(b for b in (64, 32, 16) if b == 16 or triton.cdiv(n, b) * triton.cdiv(m, block_m) * 4 >= sms * 3)
 
     def shape(m: int, n: int, k: int, sms: int, itemsize: int = 2) -> dict:
         return config(m, n, k, sms) if m == 1 else dot_config(m, n, k, sms, itemsize)
