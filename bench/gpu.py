@@ -440,7 +440,10 @@ def _graph_ms(args, llm: LLM) -> tuple[dict, list]:
 # 2-64 rows on the W8A16 kernel's 64-wide output tiles, as before fp8.dot_config; fp8_gemv_256:
 # the GEMV's tiles up to 256 rows, where W8A8 (activations quantized) runs from 128 by default.
 FP8_BASELINES = {"fp8_wide_tiles": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "1"},
-                 "fp8_gemv_256": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "256", "LATENTSERVE_FP8_W8A8_MIN_ROWS": "100000"}}
+                 "fp8_gemv_256": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "256", "LATENTSERVE_FP8_W8A8_MIN_ROWS": "100000"},
+                 # the MoE entry kernel off: FP8 layers' latent down, router, shared gate/up and activation
+                 # as separate launches, as before the entry took FP8 weights (2026-12-05)
+                 "fp8_no_entry": {"LATENTSERVE_MOE_ENTRY": "0"}}
 
 # The default build (layers compiled, Triton MoE kernels) is timed against these, same model.
 # torch_grouped: torch._grouped_mm above the GEMV limit instead of the Triton grouped GEMM

@@ -80,7 +80,7 @@ if [ "$what" = fp8 ]; then  # FP8 decode against bf16 and against its wide-tile 
     --json "$OUT/fp8.json" > "$OUT/fp8.log" 2>&1
   echo "== fp8 bench rc=$?"
   grep -E "decode batch|fp8 decode|FP8|baseline|logits|capture_failed|Error" "$OUT/fp8.log" | cut -c1-260
-  group fp8_tests "$(left)" tests/gpu/test_fp8.py -k "linear or w8a8"
+  group fp8_tests "$(left)" tests/gpu/test_fp8.py tests/gpu/test_moe_entry.py -k "linear or w8a8 or fp8"
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py

@@ -116,7 +116,11 @@ def compile_specs(specs: list[dict]) -> list[dict]:
                 regs, spill = registers(c.asm["ptx"])
                 cache[key] = {"regs": regs, "spill": spill, "smem": c.metadata.shared}
             except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
-                cache[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                root = e  # Triton's CompilationError quotes the source; the reason is its cause
+                while root.__cause__ is not None:
+                    root = root.__cause__
+                where = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+                cache[key] = {"error": f"{type(e).__name__} at {where}: {type(root).__name__}: {str(root)[:300]}"}
         row = {**cache[key], "kernel": sp["kernel"], "grid": sp["grid"], "warps": sp["warps"]}
         row["programs"] = math.prod(sp["grid"])
         if "regs" in row:

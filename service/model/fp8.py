@@ -167,54 +167,70 @@ if triton is not None:
                          BLOCK_K: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
         """gemv.py's bandwidth-shaped decode GEMM on FP8 rows: BLOCK_N output rows per program
         (the grid covers every SM twice), K streamed in steps of BLOCK_K // SUB scale blocks
-        (SUB = min(BK, BLOCK_K)), the weight tile scaled elementwise. At one row fp32 throughout,
-        the products accumulated elementwise and reduced once at the end: per-step reductions
-        made this kernel 3x slower than the bf16 GEMV for half the bytes. The first weight and
-        scale tiles are loaded before the PDL wait (weights only, as in gemv.py)."""
+        (SUB = min(BK, BLOCK_K)), the weight tile scaled elementwise: at one row `row_times`, fp32
+        throughout; from two `rows_times`. The first weight and scale tiles are loaded before the
+        PDL wait (weights only, as in gemv.py)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
-        kblocks = tl.cdiv(K, BK)
-        rows = w_ptr + n[:, None].to(tl.int64) * stride_w
         if BLOCK_M == 1:
-            k = tl.arange(0, BLOCK_K)
-            kmask = k < K
-            w0 = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            s0 = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
-            pdl.enter(PDL)
-            acc1 = w0.to(tl.float32) * s0 * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                kmask = k < K
-                w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
-                xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-                acc1 += w * scale * xv[None, :]
-            tl.store(y_ptr + n, tl.sum(acc1, 1).to(y_ptr.dtype.element_ty), mask=nmask)
+            acc1 = row_times(x_ptr, w_ptr, s_ptr, n, nmask, K, stride_w, stride_s, BN, BK, BLOCK_K, SUB, PDL)
+            tl.store(y_ptr + n, acc1.to(y_ptr.dtype.element_ty), mask=nmask)
         else:
-            # From 2 rows: the bf16 GEMV's tensor-core tiles (`dot_config`), rows padded to
-            # BLOCK_M, each weight tile scaled in fp32 and rounded to x's dtype for the dot (the
-            # W8A16 kernel's roundings). The first weight and scale tiles before the PDL wait.
             m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
             mmask = m < M
-            dtype = x_ptr.dtype.element_ty
-            k = tl.arange(0, BLOCK_K)
-            kmask = k < K
-            w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            scale = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
-            pdl.enter(PDL)
-            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                kmask = k < K
-                w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
-                xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
-                             other=0.0)
-                acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), acc)
+            acc = rows_times(x_ptr, w_ptr, s_ptr, m, n, mmask, nmask, K, stride_x, stride_w, stride_s, BN, BK,
+                             BLOCK_M, BLOCK_N, BLOCK_K, SUB, PDL)
             tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=mmask[:, None] & nmask[None, :])
 
+    @triton.jit
+    def row_times(x_ptr, w_ptr, s_ptr, n, nmask, K, stride_w, stride_s, BN: tl.constexpr, BK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
+        """One row x @ dequant(w)[n]^T in fp32 ([BLOCK_N]): the products accumulated elementwise
+        and reduced once at the end (per-step reductions made the kernel 3x slower than the bf16
+        GEMV for half the bytes). Shared with moe_entry's FP8 latent down-projection."""
+        kblocks = tl.cdiv(K, BK)
+        rows = w_ptr + n[:, None].to(tl.int64) * stride_w
+        k = tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w0 = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        s0 = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+        pdl.enter(PDL)
+        acc = w0.to(tl.float32) * s0 * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+            acc += w * scale * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        return tl.sum(acc, 1)
+
+    @triton.jit
+    def rows_times(x_ptr, w_ptr, s_ptr, m, n, mmask, nmask, K, stride_x, stride_w, stride_s, BN: tl.constexpr,
+                   BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SUB: tl.constexpr, PDL: tl.constexpr):
+        """x[m] @ dequant(w)[n]^T in fp32 from 2 rows: the bf16 GEMV's tensor-core tiles (`dot_config`),
+        rows padded to BLOCK_M, each weight tile scaled in fp32 and rounded to x's dtype for the dot
+        (the W8A16 kernel's roundings). The first weight and scale tiles before the PDL wait.
+        Shared with moe_entry's FP8 latent down-projection."""
+        kblocks = tl.cdiv(K, BK)
+        rows = w_ptr + n[:, None].to(tl.int64) * stride_w
+        dtype = x_ptr.dtype.element_ty
+        k = tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        scale = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+        pdl.enter(PDL)
+        xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), acc)
+        return acc
 
 def gemv_max_rows() -> int:
     """Up to this many rows FP8 projections take the GEMV's shapes (one row: the register product;

@@ -319,8 +319,9 @@ class MoE(nn.Module):
         if not (self.latent and shared is not None):
             return None
         w_down, w_shared, w_router = self.routed_expert_down_proj.weight, shared.gate_up_proj.weight, self.gate.weight
-        if not (moe_entry.supported(x, w_down, w_shared, w_router, shared.act_name)
+        scales = self.routed_expert_down_proj.weight_scale_inv, shared.gate_up_proj.weight_scale_inv  # FP8 models
+        if not (moe_entry.supported(x, w_down, w_shared, w_router, shared.act_name, *scales)
                 and moe_kernels.route_supported(x, w_router.shape[0], self.gate.n_group)):
             return None
         return moe_kernels.call(torch.ops.latentserve.moe_entry, x, w_down, w_shared, w_router, shared.act_name,
-                                shared.act_beta, shared.act_linear_beta)
+                                shared.act_beta, shared.act_linear_beta, *scales)

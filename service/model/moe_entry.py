@@ -9,7 +9,9 @@ three weights' rows between them replaces three launches plus the activation's. 
 streams BLOCK_N rows of one weight (for the shared experts: BLOCK_N gate rows and the matching up
 rows, so the activation is in its epilogue) with fp32 accumulation, and rounds as the separate
 ops do: logits in fp32, the latent and the GEMM outputs in the model dtype, then
-`layers.act_and_mul`'s roundings.
+`layers.act_and_mul`'s roundings. FP8 models (block-scaled latent down and shared gate/up; the
+router stays in the model dtype) scale each weight tile as the FP8 GEMV does (fp8.row_times /
+rows_times), where they paid the four launches and the shared down-projection's own.
 
 A `torch.library` custom op: compiled decoder layers keep it opaque, CUDA graphs capture it.
 """
@@ -20,7 +22,8 @@ import os
 
 import torch
 
-from . import act_kernels, gemv, moe_kernels, pdl
+from ..weights import fp8 as fmt
+from . import act_kernels, fp8, gemv, moe_kernels, pdl
 
 try:
     import triton
@@ -41,15 +44,24 @@ def max_rows() -> int:
 
 
 def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor,
-              act: str) -> bool:
-    """1 to `max_rows` rows, every weight in x's dtype (not FP8), the three of them gemv-sized;
-    the MoE kernels on (LATENTSERVE_MOE_ENTRY=0 keeps three separate launches: the bench's
-    baseline)."""
+              act: str, down_scale: torch.Tensor | None = None, shared_scale: torch.Tensor | None = None) -> bool:
+    """1 to `max_rows` rows, the three weights gemv-sized: all in x's dtype, or down and shared
+    FP8 with their scales in one block shape and the router in x's dtype; the MoE kernels on
+    (LATENTSERVE_MOE_ENTRY=0 keeps the separate launches: the bench's baseline)."""
     if os.environ.get("LATENTSERVE_MOE_ENTRY", "1") == "0" or not moe_kernels.enabled():
         return False
     if x.dim() != 2 or not 0 < x.shape[0] <= max_rows() or act not in gemv.ACTS:
         return False
-    return all(gemv.supported(x[:1], w) for w in (down, shared_gate_up, router))
+    if down_scale is None and shared_scale is None:
+        return all(gemv.supported(x[:1], w) for w in (down, shared_gate_up, router))
+    return (down_scale is not None and shared_scale is not None and gemv.supported(x[:1], router)
+            and all(fp8.gemm_supported(x, w) and w.shape[1] == x.shape[1] and w.numel() <= gemv.MAX_WEIGHT_ELEMENTS
+                    for w in (down, shared_gate_up))
+            and _block(down, down_scale) == _block(shared_gate_up, shared_scale) and _block(down, down_scale)[1] >= 16)
+
+
+def _block(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    return fmt.implied_block(tuple(weight.shape), tuple(scale.shape))
 
 
 if triton is not None:
@@ -73,18 +85,33 @@ if triton is not None:
         return tl.sum(acc, 1)
 
     @triton.jit
-    def _entry_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr,
-                      K, L, INTER, E, stride_d, stride_s, stride_r, beta, linear_beta,
+    def _scaled(w, s_ptr, n, k0, stride_s, kblocks, nmask, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+        """A weight tile [BLOCK_N, BLOCK_K] at rows n, columns k0.. in fp32: FP8 times its block scales."""
+        tile = w.to(tl.float32)
+        if FP8:
+            tile = tile * fp8._scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+        return tile
+
+    @triton.jit
+    def _entry_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr, down_s_ptr, shared_s_ptr,
+                      K, L, INTER, E, stride_d, stride_s, stride_r, stride_ds, stride_ss, beta, linear_beta,
                       ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
-        # Each branch waits for the previous kernel (pdl.enter) after its first weight tile.
+                      PDL: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
+        # Each branch waits for the previous kernel (pdl.enter) after its first weight tile. FP8:
+        # down and shared are block-scaled (BN x BK blocks, SUB-wide scale runs a K step).
         pid = tl.program_id(0)
+        kblocks = tl.cdiv(K, BK)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
         dtype = latent_ptr.dtype.element_ty
         if pid < p_down:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = _rows(down_ptr, x_ptr, n, n < L, K, stride_d, BLOCK_N, BLOCK_K, PDL)
+            if FP8:
+                y = fp8.row_times(x_ptr, down_ptr, down_s_ptr, n, n < L, K, stride_d, stride_ds, BN, BK, BLOCK_K, SUB,
+                                  PDL)
+            else:
+                y = _rows(down_ptr, x_ptr, n, n < L, K, stride_d, BLOCK_N, BLOCK_K, PDL)
             tl.store(latent_ptr + n, y.to(dtype), mask=n < L)
         elif pid < p_down + p_shared:
             n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,36 +122,53 @@ if triton is not None:
             k = tl.arange(0, BLOCK_K)
             kmask = k < K
             wmask = nmask[:, None] & kmask[None, :]
-            g0 = tl.load(rows + k[None, :], mask=wmask, other=0.0)
-            u0 = tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0)
+            g0 = _scaled(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, 0, stride_ss, kblocks,
+                         nmask, FP8, BN, BK, BLOCK_K, SUB)
+            u0 = _scaled(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n, 0,
+                         stride_ss, kblocks, nmask, FP8, BN, BK, BLOCK_K, SUB)
             pdl.enter(PDL)
             x0 = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            acc_g = g0.to(tl.float32) * x0[None, :]
-            acc_u = u0.to(tl.float32) * x0[None, :]
+            acc_g = g0 * x0[None, :]
+            acc_u = u0 * x0[None, :]
             for k0 in range(BLOCK_K, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < K
                 wmask = nmask[:, None] & kmask[None, :]
                 xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-                acc_g += tl.load(rows + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xv[None, :]
-                acc_u += tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xv[None, :]
+                acc_g += _scaled(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, k0, stride_ss,
+                                 kblocks, nmask, FP8, BN, BK, BLOCK_K, SUB) * xv[None, :]
+                acc_u += _scaled(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr,
+                                 INTER + n, k0, stride_ss, kblocks, nmask, FP8, BN, BK, BLOCK_K, SUB) * xv[None, :]
             h = act_kernels.gated(tl.sum(acc_g, 1), tl.sum(acc_u, 1), beta, linear_beta, dtype, ACT, CLIP_UP)
             tl.store(h_ptr + n, h.to(dtype), mask=nmask)
         else:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL), mask=n < E)
 
+    @triton.jit
+    def _tile(w, s_ptr, n, k0, stride_s, kblocks, nmask, dtype: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+        """A weight tile for the tensor cores: FP8 scaled in fp32 and rounded to the activations' dtype."""
+        if FP8:  # one return: the compiler types every return statement, the interpreter does not
+            tile = (w.to(tl.float32) * fp8._scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K,
+                                                       SUB)).to(dtype)
+        else:
+            tile = w
+        return tile
+
     @triton.jit(do_not_specialize=["M"])
-    def _entry_rows_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr,
-                           M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, beta, linear_beta,
-                           ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    def _entry_rows_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr, down_s_ptr,
+                           shared_s_ptr, M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, stride_ds, stride_ss,
+                           beta, linear_beta, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                           FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
         """`_entry_kernel` from 2 rows: programs split the three weights' rows between them and
         multiply a block of rows (padded to a 16 or 64-row tile) on tensor cores, as gemv.py's
         tiles do; the shared experts' gate and up tiles share one pass, the activation in the
         epilogue. Row blocks are the grid's first axis, so the blocks reading one weight tile
         run side by side and all but the first find it in L2. Outputs are row-major [M, L],
-        [M, INTER], [M, E]."""
+        [M, INTER], [M, E]. FP8: each weight tile scaled in fp32 and rounded to x's dtype for the
+        dot, as the FP8 GEMV's tiles (fp8.rows_times)."""
         pid = tl.program_id(1)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
@@ -133,8 +177,12 @@ if triton is not None:
         mmask = m < M
         if pid < p_down:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = gemv._rows_times(x_ptr, down_ptr, m, n, mmask, n < L, K, stride_x, stride_d, BLOCK_M, BLOCK_N, BLOCK_K,
-                                   True, IEEE, PDL)
+            if FP8:
+                acc = fp8.rows_times(x_ptr, down_ptr, down_s_ptr, m, n, mmask, n < L, K, stride_x, stride_d, stride_ds,
+                                     BN, BK, BLOCK_M, BLOCK_N, BLOCK_K, SUB, PDL)
+            else:
+                acc = gemv._rows_times(x_ptr, down_ptr, m, n, mmask, n < L, K, stride_x, stride_d, BLOCK_M, BLOCK_N,
+                                       BLOCK_K, True, IEEE, PDL)
             tl.store(latent_ptr + m[:, None] * L + n[None, :], acc.to(dtype), mask=mmask[:, None] & (n < L)[None, :])
         elif pid < p_down + p_shared:
             n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,8 +190,11 @@ if triton is not None:
             rows = shared_ptr + n[:, None].to(tl.int64) * stride_s
             k = tl.arange(0, BLOCK_K)
             wmask = nmask[:, None] & (k < K)[None, :]
-            g = tl.load(rows + k[None, :], mask=wmask, other=0.0)
-            u = tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0)
+            kblocks = tl.cdiv(K, BK)
+            g = _tile(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, 0, stride_ss, kblocks, nmask,
+                      dtype, FP8, BN, BK, BLOCK_K, SUB)
+            u = _tile(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n, 0,
+                      stride_ss, kblocks, nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
             pdl.enter(PDL)
             xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
             acc_g = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, g, True, IEEE)
@@ -154,9 +205,12 @@ if triton is not None:
                 wmask = nmask[:, None] & kmask[None, :]
                 xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
                              other=0.0)
-                acc_g = gemv._product(acc_g, xv, tl.load(rows + k[None, :], mask=wmask, other=0.0), True, IEEE)
-                acc_u = gemv._product(acc_u, xv, tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0),
-                                      True, IEEE)
+                g = _tile(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, k0, stride_ss, kblocks,
+                          nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
+                u = _tile(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n,
+                          k0, stride_ss, kblocks, nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
+                acc_g = gemv._product(acc_g, xv, g, True, IEEE)
+                acc_u = gemv._product(acc_u, xv, u, True, IEEE)
             h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
             tl.store(h_ptr + m[:, None] * INTER + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
         else:
@@ -165,44 +219,53 @@ if triton is not None:
                                    True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
 
-    def _entry(x, down, shared_gate_up, router, act, beta, linear_beta):
+    def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None):
         m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
         latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
         h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
         logits = torch.empty(m, experts, dtype=torch.float32, device=x.device)
         x = x if x.stride(-1) == 1 else x.contiguous()
+        is_fp8 = down_scale is not None
+        bn_s, bk_s = _block(down, down_scale) if is_fp8 else (16, 16)
+        scales = (down_scale, shared_scale) if is_fp8 else (down, shared_gate_up)  # unread without FP8
+        strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if m > 1:
             bm, bn = gemv.rows_tile(m, True), 16
             bk = max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k)))  # gate + up + x: <= 48 KB a stage
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
             _entry_rows_kernel[(triton.cdiv(m, bm), grid)](
-                x, down, shared_gate_up, router, latent, h, logits, m, k, latent_dim, inter, experts, x.stride(0),
-                down.stride(0), shared_gate_up.stride(0), router.stride(0), float(beta), float(linear_beta or 1.0),
-                ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3, **pdl.launch(x.device))
+                x, down, shared_gate_up, router, latent, h, logits, *scales, m, k, latent_dim, inter, experts,
+                x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides, float(beta),
+                float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk, IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), num_warps=4,
+                num_stages=3, **pdl.launch(x.device))
             return latent, h, logits
         # As the one-row GEMV since run 39, each program's whole K slice (up to 2048) in one step,
         # all of it requested before the PDL wait (sm_90: 170 registers, no spills): batch 1 0.99x
         # of 8-row programs in 512-wide steps (run 43). LATENTSERVE_MOE_ENTRY_WHOLE_K=0 keeps those.
-        bn, bk = 4, min(2048, triton.next_power_of_2(k))
+        # FP8 takes the FP8 GEMV's 1024 (its fp32 scale tiles are registers too).
+        bn, bk = 4, min(1024 if is_fp8 else 2048, triton.next_power_of_2(k))
         if os.environ.get("LATENTSERVE_MOE_ENTRY_WHOLE_K", "1") == "0":
             bn, bk = 8, min(512, triton.next_power_of_2(k))
         grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
-        _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, k, latent_dim, inter, experts,
-                               down.stride(0), shared_gate_up.stride(0), router.stride(0), float(beta),
-                               float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None,
-                               BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4, **pdl.launch(x.device))
+        _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, *scales, k, latent_dim, inter,
+                               experts, down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides,
+                               float(beta), float(linear_beta or 1.0), ACT=gemv.ACTS[act],
+                               CLIP_UP=linear_beta is not None, BLOCK_N=bn, BLOCK_K=bk, FP8=is_fp8, BN=bn_s, BK=bk_s,
+                               SUB=min(bk_s, bk), num_warps=4, num_stages=4, **pdl.launch(x.device))
         return latent, h, logits
 
     @torch.library.custom_op("latentserve::moe_entry", mutates_args=())
     def entry(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor, act: str,
-              beta: float, linear_beta: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [M, H] -> (x @ down^T [M, L], act(x @ gate^T) * (x @ up^T) [M, I], fp32 x @ router^T [M, E])."""
-        return _entry(x, down, shared_gate_up, router, act, beta, linear_beta)
+              beta: float, linear_beta: float | None, down_scale: torch.Tensor | None = None,
+              shared_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, H] -> (x @ down^T [M, L], act(x @ gate^T) * (x @ up^T) [M, I], fp32 x @ router^T [M, E]);
+        with scales, down and shared_gate_up are FP8 block-scaled (`supported`)."""
+        return _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale, shared_scale)
 
     @entry.register_fake
-    def _(x, down, shared_gate_up, router, act, beta, linear_beta):
+    def _(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None):
         m = x.shape[0]
         return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
                 x.new_empty(m, router.shape[0], dtype=torch.float32))

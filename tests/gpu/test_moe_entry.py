@@ -1,7 +1,7 @@
 """The MoE entry kernel (service/model/moe_entry.py): latent down-projection, the shared experts'
 gate/up with SiLU/SiTU, and fp32 router logits in one launch, against the separate torch ops and
-a float64 reference; and a latent MoE layer choosing it at one token with the same output as the
-separate path.
+a float64 reference (FP8 weights: of the dequantized ones); and a latent MoE layer choosing it
+with the same output as the separate path.
 
 Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels interpreted).
 """
@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_env import DEVICE, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
+from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
 
 require_kernel_device()
 
@@ -20,6 +20,7 @@ from service.config import PRESETS  # noqa: E402
 from service.model import layers, moe_entry  # noqa: E402
 from service.model.moe import MoE  # noqa: E402
 from service.parallel import TPGroup  # noqa: E402
+from service.weights import fp8 as fmt  # noqa: E402
 
 pytestmark = kernel_marks(300)
 
@@ -118,3 +119,57 @@ def test_latent_moe_layer_same_output(preset, monkeypatch):
     separate = layer(x)
     torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-4)
     assert layers.act_params(cfg)[0] == "situ"
+
+
+# The interpreter's tl.dot takes no bf16 (test_fp8.py's note); FP8 loads work there.
+FP8_ACT = torch.float16 if INTERPRET else torch.bfloat16
+
+
+@pytest.mark.parametrize("act,beta,linear_beta", [("silu", 1.0, None), ("situ", 4.0, 8.0)])
+@pytest.mark.parametrize("m,k", [(1, 300), (1, 2100), (5, 300), (40, 600), (130, 300)])
+def test_fp8_entry_matches_dequantized_reference(act, beta, linear_beta, m, k):
+    """FP8 latent down and shared gate/up in 128 x 128 blocks, the router in the activations'
+    dtype: against float64 of the dequantized weights. One row (K in one step and three), tensor-
+    core tiles, 64-row blocks. The shared width 192 puts the up rows' scales in other blocks than
+    the gate rows' (up row 0 is in block 1), a partial K block (300) and a partial latent block (200)."""
+    g = torch.Generator().manual_seed(m + k)
+    latent, inter, experts = 200, 192, 20
+    x = torch.randn(m, k, generator=g).to(DEVICE, FP8_ACT)
+    down, down_s = fmt.quantize(torch.randn(latent, k, generator=g) / k ** 0.5, (128, 128))
+    shared, shared_s = fmt.quantize(torch.randn(2 * inter, k, generator=g) * 2 / k ** 0.5, (128, 128))
+    router = (torch.randn(experts, k, generator=g) / k ** 0.5).to(DEVICE, FP8_ACT)
+    down, down_s, shared, shared_s = (t.to(DEVICE) for t in (down, down_s, shared, shared_s))
+    assert moe_entry.supported(x, down, shared, router, act, down_s, shared_s)
+    assert not moe_entry.supported(x, down, shared, router, act, down_s, None)
+    lat, h, logits = torch.ops.latentserve.moe_entry(x, down, shared, router, act, beta, linear_beta, down_s, shared_s)
+    assert (lat.dtype, h.dtype, logits.dtype) == (FP8_ACT, FP8_ACT, torch.float32)
+    xd = x.double()
+    ref_lat = xd @ fmt.dequantize(down, down_s, (128, 128)).double().t()
+    # One rounding of the output, plus the 16-bit rounding of each scaled weight tile on tensor cores.
+    assert (lat.double() - ref_lat).abs().max() <= 2 ** -7 * ref_lat.abs().max() + 1e-3
+    torch.testing.assert_close(logits.double(), xd @ router.double().t(), atol=1e-3, rtol=1e-3)
+    gu = xd @ fmt.dequantize(shared, shared_s, (128, 128)).double().t()
+    gd, ud = gu[:, :inter], gu[:, inter:]
+    if act == "silu":
+        ref = torch.nn.functional.silu(gd) * ud
+    else:
+        ref = beta * torch.tanh(gd / beta) * torch.sigmoid(gd) * (linear_beta * torch.tanh(ud / linear_beta))
+    assert (h.double() - ref).abs().max() <= 2 ** -6 * ref.abs().max() + 2e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fp8_latent_moe_layer_takes_the_entry_kernel(tokens, monkeypatch):
+    """An FP8 latent MoE layer (latent down and shared gate/up quantized, as an FP8 checkpoint
+    holds them) runs the entry kernel with their scales, and its output is the separate path's."""
+    layer, _ = latent_moe_layer("k3-tiny", FP8_ACT)
+    for mod in (layer.routed_expert_down_proj, layer.shared_experts.gate_up_proj):
+        q, s = fmt.quantize(mod.weight.float().cpu(), (128, 128))
+        mod.weight = torch.nn.Parameter(q.to(DEVICE), requires_grad=False)
+        mod.weight_scale_inv = torch.nn.Parameter(s.to(DEVICE), requires_grad=False)
+    x = torch.randn(tokens, layer.routed_expert_down_proj.weight.shape[1],
+                    generator=torch.Generator().manual_seed(tokens)).to(DEVICE, FP8_ACT)
+    assert layer._entry(x) is not None
+    fused = layer(x)
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY", "0")
+    assert layer._entry(x) is None
+    torch.testing.assert_close(fused, layer(x), atol=2e-3, rtol=2e-2)
