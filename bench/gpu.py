@@ -442,7 +442,8 @@ def _graph_ms(args, llm: LLM) -> tuple[dict, list]:
 FP8_BASELINES = {"fp8_wide_tiles": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "1"},
                  "fp8_gemv_256": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "256", "LATENTSERVE_FP8_W8A8_MIN_ROWS": "100000"},
                  # the MoE entry kernel off: FP8 layers' latent down, router, shared gate/up and activation
-                 # as separate launches, as before the entry took FP8 weights (2026-12-05)
+                 # as separate launches, and the shared down apart from the latent up (the pair runs on
+                 # the entry's path), as before both took FP8 weights (2026-12-05)
                  "fp8_no_entry": {"LATENTSERVE_MOE_ENTRY": "0"}}
 
 # The default build (layers compiled, Triton MoE kernels) is timed against these, same model.

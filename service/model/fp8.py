@@ -150,18 +150,6 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN: tl.constexpr, BK: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SUB: tl.constexpr):
-        """[BLOCK_N, BLOCK_K] block scales of the weight tile at rows n, columns k0..: one load
-        per scale block, broadcast along it (per-element loads or per-block partial sums cost
-        64 scalar loads or 328 shuffles a 2048-wide step in the sm_90 PTX)."""
-        NB: tl.constexpr = BLOCK_K // SUB
-        kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
-        sv = tl.load(s_ptr + (n // BN)[:, None] * stride_s + kb[None, :], mask=nmask[:, None] & (kb < kblocks)[None, :],
-                     other=0.0)
-        return tl.reshape(tl.broadcast_to(sv[:, :, None], [sv.shape[0], NB, SUB]), [sv.shape[0], BLOCK_K])
-
-    @triton.jit
     def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
@@ -194,14 +182,14 @@ if triton is not None:
         k = tl.arange(0, BLOCK_K)
         kmask = k < K
         w0 = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        s0 = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+        s0 = gemv.scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
         pdl.enter(PDL)
         acc = w0.to(tl.float32) * s0 * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+            scale = gemv.scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
             acc += w * scale * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
         return tl.sum(acc, 1)
 
@@ -219,7 +207,7 @@ if triton is not None:
         k = tl.arange(0, BLOCK_K)
         kmask = k < K
         w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        scale = _scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+        scale = gemv.scale_tile(s_ptr, n, 0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
         pdl.enter(PDL)
         xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
@@ -227,7 +215,7 @@ if triton is not None:
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            scale = _scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+            scale = gemv.scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
             xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(xv, tl.trans((w.to(tl.float32) * scale).to(dtype)), acc)
         return acc

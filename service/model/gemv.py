@@ -26,6 +26,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+from ..weights.fp8 import implied_block
 from . import act_kernels, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
@@ -58,11 +59,21 @@ def gated_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.numel() == x.shape[-1])
 
 
-def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor) -> bool:
+def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
+                   scale2: torch.Tensor | None = None) -> bool:
     """Both projections GEMV-shaped, into the same rows and width (LATENTSERVE_GEMV_PAIR=0: two
-    launches and an add, the bench's baseline)."""
-    return (os.environ.get("LATENTSERVE_GEMV_PAIR", "1") != "0" and supported(x, weight) and supported(x2, weight2)
-            and weight.shape[0] == weight2.shape[0] and x.numel() // x.shape[-1] == x2.numel() // x2.shape[-1])
+    launches and an add, the bench's baseline); scale2: weight2 FP8 block-scaled (blocks >= 16
+    wide, 16-bit rows: the FP8 GEMV's conditions)."""
+    if os.environ.get("LATENTSERVE_GEMV_PAIR", "1") == "0" or not supported(x, weight):
+        return False
+    if scale2 is None:
+        second = supported(x2, weight2)
+    else:
+        second = (weight2.dtype == torch.float8_e4m3fn and x2.dtype == x.dtype and x2.dtype != torch.float32
+                  and weight2.dim() == 2 and weight2.stride(-1) == 1 and x2.shape[-1] == weight2.shape[1]
+                  and weight2.numel() <= MAX_WEIGHT_ELEMENTS
+                  and implied_block(tuple(weight2.shape), tuple(scale2.shape))[1] >= 16)
+    return second and weight.shape[0] == weight2.shape[0] and x.numel() // x.shape[-1] == x2.numel() // x2.shape[-1]
 
 
 def pair_norm_max_rows() -> int:
@@ -163,16 +174,38 @@ if triton is not None:
         return tl.rsqrt(ss / K + eps)
 
     @triton.jit
+    def scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN: tl.constexpr, BK: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+        """[BLOCK_N, BLOCK_K] block scales (BN x BK blocks, SUB = min(BK, BLOCK_K)) of an FP8 weight
+        tile at rows n, columns k0..: one load
+        per scale block, broadcast along it (per-element loads or per-block partial sums cost
+        64 scalar loads or 328 shuffles a 2048-wide step in the sm_90 PTX)."""
+        NB: tl.constexpr = BLOCK_K // SUB
+        kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
+        sv = tl.load(s_ptr + (n // BN)[:, None] * stride_s + kb[None, :], mask=nmask[:, None] & (kb < kblocks)[None, :],
+                     other=0.0)
+        return tl.reshape(tl.broadcast_to(sv[:, :, None], [sv.shape[0], NB, SUB]), [sv.shape[0], BLOCK_K])
+
+    @triton.jit
     def _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, start, K, stride_x, stride_w, BLOCK_K: tl.constexpr,
                     DOT: tl.constexpr, IEEE: tl.constexpr, inv_rms=None, g_ptr=None, NORM: tl.constexpr = False,
-                    SLOTS: tl.constexpr = 0):
+                    SLOTS: tl.constexpr = 0, s_ptr=None, stride_s=0, SCALED: tl.constexpr = False,
+                    BN: tl.constexpr = 1, BK: tl.constexpr = 1, SUB: tl.constexpr = 1):
+        """SCALED: w is FP8 with block scales s (`scale_tile`), each tile scaled in fp32, and for the
+        tensor cores rounded to x's dtype, as the FP8 GEMV's tiles (fp8.row_times / rows_times)."""
         for k0 in range(start, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
                         mask=nmask[:, None] & kmask[None, :], other=0.0)
             xv = _x_tile(x_ptr, m, k, mmask, kmask, stride_x, inv_rms, g_ptr, NORM, SLOTS)
-            acc = _product(acc, xv, w, DOT, IEEE)
+            if SCALED:
+                ws = w.to(tl.float32) * scale_tile(s_ptr, n, k0, stride_s, tl.cdiv(K, BK), nmask, BN, BK, BLOCK_K, SUB)
+                if DOT:
+                    ws = ws.to(xv.dtype)
+                acc = _product(acc, xv, ws, DOT, IEEE)
+            else:
+                acc = _product(acc, xv, w, DOT, IEEE)
         return acc
 
     @triton.jit
@@ -199,11 +232,13 @@ if triton is not None:
     # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, x2_ptr, w2_ptr, K2, stride_x2,
-                     stride_w2, g_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                     NORM: tl.constexpr, SLOTS: tl.constexpr):
+                     stride_w2, g_ptr, eps, s2_ptr, stride_s2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr, NORM: tl.constexpr, SLOTS: tl.constexpr, FP8_2: tl.constexpr = False,
+                     BN2: tl.constexpr = 1, BK2: tl.constexpr = 1, SUB2: tl.constexpr = 1):
         """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum); NORM: x
-        RMS-normed with weight g first; SLOTS: x's rows are sums of SLOTS fp32 rows (`_x_rows`)."""
+        RMS-normed with weight g first; SLOTS: x's rows are sums of SLOTS fp32 rows (`_x_rows`);
+        FP8_2: w2 is FP8 with block scales s2 (an FP8 model's shared down-projection)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nmask = n < N
@@ -211,7 +246,8 @@ if triton is not None:
         acc = _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
                           IEEE, PDL, g_ptr, eps, NORM, SLOTS)
         if PAIR:
-            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE)
+            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE,
+                              s_ptr=s2_ptr, stride_s=stride_s2, SCALED=FP8_2, BN=BN2, BK=BK2, SUB=SUB2)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
@@ -298,18 +334,25 @@ if triton is not None:
 
     def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: dict,
                pair: tuple[torch.Tensor, torch.Tensor] | None = None,
-               norm: tuple[torch.Tensor, float] | None = None, slots: int = 0) -> None:
-        """slots: x2 holds `slots` fp32 rows a token to sum (with norm only), y one row a token."""
+               norm: tuple[torch.Tensor, float] | None = None, slots: int = 0,
+               scale2: torch.Tensor | None = None) -> None:
+        """slots: x2 holds `slots` fp32 rows a token to sum (with norm only), y one row a token;
+        scale2: the pair's second weight is FP8 with these block scales."""
         m, k = y.shape[0], x2.shape[1]
         n = weight.shape[0]
         xb, wb = pair if pair is not None else (x2, weight)
         g, eps = norm if norm is not None else (x2, 0.0)  # unread without NORM
         cfg = {"DOT": False, **cfg}
         block_m = rows_tile(m, cfg["DOT"])
+        fp8 = {}
+        if scale2 is not None:
+            bn2, bk2 = implied_block(tuple(wb.shape), tuple(scale2.shape))
+            fp8 = {"FP8_2": True, "BN2": bn2, "BK2": bk2, "SUB2": min(bk2, cfg["BLOCK_K"])}
+        s2 = scale2 if scale2 is not None else x2  # unread without FP8_2
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
-            wb.stride(0), g, float(eps), BLOCK_M=block_m, PAIR=pair is not None, IEEE=weight.dtype == torch.float32,
-            NORM=norm is not None, SLOTS=slots, **cfg, **pdl.launch(x2.device))
+            wb.stride(0), g, float(eps), s2, s2.stride(0), BLOCK_M=block_m, PAIR=pair is not None,
+            IEEE=weight.dtype == torch.float32, NORM=norm is not None, SLOTS=slots, **fp8, **cfg, **pdl.launch(x2.device))
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""
@@ -348,37 +391,39 @@ if triton is not None:
     def _(x, weight, act, beta, linear_beta):
         return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
-    def _pair(x, weight, x2, weight2, norm=None, slots=0):
+    def _pair(x, weight, x2, weight2, norm=None, slots=0, scale2=None):
         a, b = _rows(x), _rows(x2)
         if slots and b.shape[0] != 1:  # the tiles' pipeline would stage every slot's fp32 rows (270 KB)
             raise ValueError(f"slots: one row only, got {b.shape[0]}")
         y = torch.empty(b.shape[0], weight.shape[0], dtype=weight.dtype, device=x.device)
         launch(a, weight, y, shape(b.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device),
-                                   weight.element_size()), pair=(b, weight2), norm=norm, slots=slots)
+                                   weight.element_size()), pair=(b, weight2), norm=norm, slots=slots, scale2=scale2)
         return y
 
     @torch.library.custom_op("latentserve::gemv_pair", mutates_args=())
-    def gemv_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
+    def gemv_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
+                  scale2: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T + x2 [M, K2] @ weight2[N, K2]^T -> [M, N] in x's dtype: two
         projections into the same rows (a latent MoE's up-projection and its shared experts'
-        down-projection at TP 1) in one launch, summed in fp32."""
-        return _pair(x, weight, x2, weight2)
+        down-projection at TP 1) in one launch, summed in fp32. scale2: weight2 is FP8 block-scaled."""
+        return _pair(x, weight, x2, weight2, scale2=scale2)
 
     @gemv_pair.register_fake
-    def _(x, weight, x2, weight2):
+    def _(x, weight, x2, weight2, scale2=None):
         return x.new_empty(x.reshape(-1, x.shape[-1]).shape[0], weight.shape[0])
 
     @torch.library.custom_op("latentserve::gemv_pair_normed", mutates_args=())
     def gemv_pair_normed(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                         x2: torch.Tensor, weight2: torch.Tensor, slots: int = 0) -> torch.Tensor:
+                         x2: torch.Tensor, weight2: torch.Tensor, slots: int = 0,
+                         scale2: torch.Tensor | None = None) -> torch.Tensor:
         """`gemv_pair` of rms_norm(x, norm_weight, eps): the latent MoE's norm before its
         up-projection inside the same launch (each program norms the few rows it reads). slots > 0
         (one row): x [slots, K] fp32 are the routed experts' outputs a slot, summed here in slot
         order and rounded to the model dtype (moe_kernels.slot_sum's math) before the norm."""
-        return _pair(x, weight, x2, weight2, norm=(norm_weight, eps), slots=slots)
+        return _pair(x, weight, x2, weight2, norm=(norm_weight, eps), slots=slots, scale2=scale2)
 
     @gemv_pair_normed.register_fake
-    def _(x, norm_weight, eps, weight, x2, weight2, slots=0):
+    def _(x, norm_weight, eps, weight, x2, weight2, slots=0, scale2=None):
         return weight.new_empty(x2.reshape(-1, x2.shape[-1]).shape[0], weight.shape[0])
 
     @torch.library.custom_op("latentserve::gemv", mutates_args=())

@@ -277,14 +277,16 @@ class MoE(nn.Module):
         math, with the sum rounded once); None where it does not apply. norm: the latent norm's
         weight, None where there is none or `routed` is normed already."""
         down = self.shared_experts.down_proj
-        if self.tp.world_size != 1 or getattr(down, "weight_scale_inv", None) is not None:
+        if self.tp.world_size != 1:
             return None
-        up = self.routed_expert_up_proj.weight
-        if not gemv.pair_supported(routed, up, h, down.weight):
+        up, scale = self.routed_expert_up_proj.weight, down.weight_scale_inv  # scale: an FP8 model's
+        if not gemv.pair_supported(routed, up, h, down.weight, scale):
             return None
         if norm is not None and routed.shape[0] <= gemv.pair_norm_max_rows():  # the norm in the same launch
-            return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight)
-        return gemv.run(torch.ops.latentserve.gemv_pair, latent_norm(routed, norm, self.eps), up, h, down.weight)
+            return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight, 0,
+                            scale)
+        return gemv.run(torch.ops.latentserve.gemv_pair, latent_norm(routed, norm, self.eps), up, h, down.weight,
+                        scale)
 
     def _normed_routed(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        norm: torch.Tensor | None) -> torch.Tensor | None:
@@ -306,12 +308,12 @@ class MoE(nn.Module):
         PDL, run 45). One row, where the pair norm runs; else None."""
         down, up = self.shared_experts.down_proj, self.routed_expert_up_proj.weight
         if not (gemv.pair_slots_enabled() and self.tp.world_size == 1 and norm is not None and latent.shape[0] == 1
-                and gemv.pair_norm_max_rows() >= 1 and getattr(down, "weight_scale_inv", None) is None
-                and gemv.pair_supported(latent, up, h, down.weight)):
+                and gemv.pair_norm_max_rows() >= 1
+                and gemv.pair_supported(latent, up, h, down.weight, down.weight_scale_inv)):
             return None
         parts = self.experts.parts(latent, weights, ids)
         return None if parts is None else gemv.run(torch.ops.latentserve.gemv_pair_normed, parts, norm, self.eps, up,
-                                                   h, down.weight, ids.shape[1])
+                                                   h, down.weight, ids.shape[1], down.weight_scale_inv)
 
     def _entry(self, x: torch.Tensor):
         """(latent, shared experts' activation, router logits) from one kernel, or None."""

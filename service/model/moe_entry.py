@@ -90,7 +90,7 @@ if triton is not None:
         """A weight tile [BLOCK_N, BLOCK_K] at rows n, columns k0.. in fp32: FP8 times its block scales."""
         tile = w.to(tl.float32)
         if FP8:
-            tile = tile * fp8._scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
+            tile = tile * gemv.scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K, SUB)
         return tile
 
     @triton.jit
@@ -150,7 +150,7 @@ if triton is not None:
               BK: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
         """A weight tile for the tensor cores: FP8 scaled in fp32 and rounded to the activations' dtype."""
         if FP8:  # one return: the compiler types every return statement, the interpreter does not
-            tile = (w.to(tl.float32) * fp8._scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K,
+            tile = (w.to(tl.float32) * gemv.scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN, BK, BLOCK_K,
                                                        SUB)).to(dtype)
         else:
             tile = w

@@ -16,6 +16,7 @@ from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device, s
 require_kernel_device()
 
 from service.model import gemv, layers  # noqa: E402
+from service.weights import fp8 as fmt  # noqa: E402
 
 pytestmark = kernel_marks(300)
 SHAPES = [(1344, 2048), (100, 96), (1024, 768)] if INTERPRET else [
@@ -154,6 +155,35 @@ def test_gemv_pair_sums_two_projections(n, k, k2, dtype, m, monkeypatch):
     assert y.shape == (m, n) and y.dtype == dtype
     torch.testing.assert_close(y.double(), ref, atol=tol * 4, rtol=tol)
     assert not gemv.pair_supported(x, w, x2, w2[:-1])  # different widths
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("n,k,k2", [(256, 1024, 768), (100, 600, 300)])
+def test_gemv_pair_with_an_fp8_second_weight(n, k, k2, normed, m):
+    """An FP8 model's latent up-projection (16-bit) and shared down-projection (FP8, 128 x 128
+    block scales) in one launch, with and without the latent norm, against float64 of the
+    dequantized weight: the FP8 GEMV's tolerance (one output rounding, the 16-bit rounding of each
+    scaled tile on tensor cores). K2 300: a partial scale block; n 100: a partial row block."""
+    dtype = torch.float16 if INTERPRET else torch.bfloat16  # the interpreter's tl.dot takes no bf16
+    g = torch.Generator().manual_seed(n + k2 + m)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    x2 = torch.randn(m, k2, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    q2, s2 = (t.to(DEVICE) for t in fmt.quantize(torch.randn(n, k2, generator=g) / k2 ** 0.5, (128, 128)))
+    assert gemv.pair_supported(x, w, x2, q2, s2)
+    assert not gemv.pair_supported(x, w, x2, q2)  # FP8 without its scales
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    if normed:
+        y = torch.ops.latentserve.gemv_pair_normed(x, norm, 1e-6, w, x2, q2, 0, s2)
+        xd = x.double()
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.double()
+    else:
+        y = torch.ops.latentserve.gemv_pair(x, w, x2, q2, s2)
+        xd = x.double()
+    ref = xd @ w.double().t() + x2.double() @ fmt.dequantize(q2, s2, (128, 128)).double().t()
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert (y.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max() + 1e-3
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])

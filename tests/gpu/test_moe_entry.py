@@ -158,18 +158,22 @@ def test_fp8_entry_matches_dequantized_reference(act, beta, linear_beta, m, k):
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_fp8_latent_moe_layer_takes_the_entry_kernel(tokens, monkeypatch):
-    """An FP8 latent MoE layer (latent down and shared gate/up quantized, as an FP8 checkpoint
-    holds them) runs the entry kernel with their scales, and its output is the separate path's."""
+def test_fp8_latent_moe_layer_takes_the_entry_kernel(tokens, monkeypatch, spy):
+    """An FP8 latent MoE layer (latent down, shared gate/up and shared down quantized, the latent
+    up in 16 bits, as an FP8 checkpoint holds them) runs the entry kernel and the paired
+    up + shared-down launch with their scales, and its output is the separate path's."""
     layer, _ = latent_moe_layer("k3-tiny", FP8_ACT)
-    for mod in (layer.routed_expert_down_proj, layer.shared_experts.gate_up_proj):
+    shared = layer.shared_experts
+    for mod in (layer.routed_expert_down_proj, shared.gate_up_proj, shared.down_proj):
         q, s = fmt.quantize(mod.weight.float().cpu(), (128, 128))
         mod.weight = torch.nn.Parameter(q.to(DEVICE), requires_grad=False)
         mod.weight_scale_inv = torch.nn.Parameter(s.to(DEVICE), requires_grad=False)
     x = torch.randn(tokens, layer.routed_expert_down_proj.weight.shape[1],
                     generator=torch.Generator().manual_seed(tokens)).to(DEVICE, FP8_ACT)
     assert layer._entry(x) is not None
+    pairs = spy(torch.ops.latentserve, "gemv_pair_normed" if tokens == 1 else "gemv_pair")
     fused = layer(x)
+    assert pairs  # one row: the latent norm in the pair too
     monkeypatch.setenv("LATENTSERVE_MOE_ENTRY", "0")
     assert layer._entry(x) is None
     torch.testing.assert_close(fused, layer(x), atol=2e-3, rtol=2e-2)
