@@ -124,9 +124,25 @@ GEMV = {"w_ptr": "bf16", "x2_ptr": "bf16", "w2_ptr": "bf16"}
 LAUNCHES += [(f"bf16 gemv pair={_pair}", lambda p=_pair: (
     gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, PAIR=p, DOT=False, IEEE=False, NORM=False, SLOTS=0), 4, 4,
     GEMV)) for _pair in (False, True)]
-LAUNCHES += [("bf16 moe entry", lambda: (moe_entry._entry_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_N=8, BLOCK_K=512), 4, 4,
-                                         {"down_ptr": "bf16", "shared_ptr": "bf16", "router_ptr": "bf16",
-                                          "latent_ptr": "bf16", "h_ptr": "bf16", "logits_ptr": "fp32"}))]
+# The FP8 shared down-projection paired with the latent up at 1 row (register product) and 64 (tiles).
+GEMV8 = {**GEMV, "w2_ptr": "fp8e4nv", "s2_ptr": "fp32"}
+LAUNCHES += [(f"fp8 gemv pair {_m} rows", lambda m=_m, bk=_bk, dot=_dot: (
+    gemv._gemv_kernel, dict(BLOCK_M=m, BLOCK_N=4 if m == 1 else 16, BLOCK_K=bk, PAIR=True, DOT=dot, IEEE=False,
+                            NORM=m == 1, SLOTS=0, FP8_2=True, BN2=128, BK2=128, SUB2=min(128, bk)), 4, 4, GEMV8))
+    for _m, _bk, _dot in ((1, 1024, False), (64, 128, True))]
+
+# The MoE entry kernel: bf16 weights, and FP8 latent down / shared gate-up with their scales.
+ENTRY = {"down_ptr": "bf16", "shared_ptr": "bf16", "router_ptr": "bf16", "latent_ptr": "bf16", "h_ptr": "bf16",
+         "logits_ptr": "fp32"}
+ENTRY8 = {**ENTRY, "down_ptr": "fp8e4nv", "shared_ptr": "fp8e4nv"}
+LAUNCHES += [("bf16 moe entry", lambda: (moe_entry._entry_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_N=8, BLOCK_K=512,
+                                                                       FP8=False, BN=16, BK=16, SUB=16), 4, 4, ENTRY)),
+             ("fp8 moe entry 1 row", lambda: (moe_entry._entry_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_N=4,
+                                                                            BLOCK_K=1024, FP8=True, SUB=128, **BLOCKS),
+                                              4, 4, ENTRY8))]
+LAUNCHES += [(f"fp8 moe entry {_bm} rows", lambda bm=_bm, bk=_bk: (
+    moe_entry._entry_rows_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=bk, IEEE=False, FP8=True,
+                                       SUB=128, **BLOCKS), 4, 3, ENTRY8)) for _bm, _bk in ((16, 256), (64, 128))]
 
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])
