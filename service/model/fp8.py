@@ -62,7 +62,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ dequant(weight [N, K] fp8, scale [ceil(N/bn), ceil(K/bk)])^T in x's dtype."""
     # Scale blocks at least 16 wide (implied_block: powers of 2): tl.dot's smallest K step.
-    if gemm_supported(x, weight) and fmt.implied_block(tuple(weight.shape), tuple(scale.shape))[1] >= 16:
+    if gemm_supported(x, weight) and fmt.block_of(weight, scale)[1] >= 16:
         out = moe_kernels.call(torch.ops.latentserve.fp8_linear, x.reshape(-1, x.shape[-1]), weight, scale)
         if out is not None:
             return out.view(*x.shape[:-1], weight.shape[0])
@@ -71,9 +71,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
 
 def gemm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     on_device = triton is not None and moe_kernels.enabled() and (x.is_cuda or moe_kernels.INTERPRET)
-    # Interpreted (CPU tests): fp16 activations, the interpreter's tl.dot takes no bf16 (FP8 loads work).
-    ok_dtype = x.dtype == torch.float16 if moe_kernels.INTERPRET else x.dtype in (torch.bfloat16, torch.float16)
-    return on_device and ok_dtype and weight.dtype == FP8 and weight.stride(-1) == 1
+    return on_device and fmt.kernel_operands(x, weight, moe_kernels.INTERPRET)
 
 
 if triton is not None:
@@ -251,7 +249,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch
     if m == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    bn, bk = fmt.implied_block(tuple(weight.shape), tuple(scale.shape))
+    bn, bk = fmt.block_of(weight, scale)
     # Small M (decode): narrow N tiles so even one token spreads the weight over many SMs.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128

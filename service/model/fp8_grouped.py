@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..weights.fp8 import FP8, implied_block
+from ..weights.fp8 import block_of, kernel_operands
 from . import act_kernels, moe_grouped, moe_kernels, pdl
 from .moe_kernels import ACTS, triton
 
@@ -25,13 +25,10 @@ if triton is not None:
 
 def supported(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
               act: str) -> bool:
-    on_device = x.is_cuda or (moe_kernels.INTERPRET and x.dtype == torch.float16)
-    if not (triton is not None and on_device and moe_grouped.enabled() and act in ACTS
-            and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == FP8 == w2.dtype
-            and w13.stride(-1) == 1 and w2.stride(-1) == 1):
+    if not (triton is not None and (x.is_cuda or moe_kernels.INTERPRET) and moe_grouped.enabled() and act in ACTS
+            and kernel_operands(x, w13, moe_kernels.INTERPRET) and kernel_operands(x, w2, moe_kernels.INTERPRET)):
         return False
-    return min(implied_block(tuple(w13.shape), tuple(s13.shape))[1],
-               implied_block(tuple(w2.shape), tuple(s2.shape))[1]) >= 16
+    return min(block_of(w13, s13)[1], block_of(w2, s2)[1]) >= 16
 
 
 if triton is not None:
@@ -118,8 +115,8 @@ def grouped_experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, li
     cfg = moe_grouped.config(m, top_k, num_experts)
     cfg.pop("down", None)  # the bf16 kernels' own down shape; FP8's K steps are bound to its scale blocks
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    bn13, bk13 = implied_block(tuple(w13.shape), tuple(s13.shape))
-    bn2, bk2 = implied_block(tuple(w2.shape), tuple(s2.shape))
+    bn13, bk13 = block_of(w13, s13)
+    bn2, bk2 = block_of(w2, s2)
     bk = min(cfg.pop("BLOCK_K"), bk13, bk2)  # a K step inside one scale block
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = weights.contiguous()

@@ -59,8 +59,8 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
 def _k_blocks(w13, s13, w2, s2) -> int:
     """The narrower scale block along K of w13 and w2: the kernels' K steps hold whole scale
     blocks or lie inside one, and tl.arange/the reductions want at least 16."""
-    return min(fp8.fmt.implied_block(tuple(w13.shape), tuple(s13.shape))[1],
-               fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))[1])
+    return min(fp8.fmt.block_of(w13, s13)[1],
+               fp8.fmt.block_of(w2, s2)[1])
 
 
 def _grouped_mm_fast(x: torch.Tensor) -> bool:
@@ -158,14 +158,14 @@ def _experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, linear_be
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
-    bn, bk = fp8.fmt.implied_block(tuple(w13.shape), tuple(s13.shape))
+    bn, bk = fp8.fmt.block_of(w13, s13)
     h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
     gate_cfg, down_cfg = expert_configs(m * top_k, width, shard)
     _gate_up_fp8_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
         x, w13, s13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), float(beta), float(linear_beta or 1.0), BN=bn, BK=bk, TOP_K=top_k, ACT=moe_kernels.ACTS[act],
         CLIP_UP=linear_beta is not None, SUB=min(bk, gate_cfg["BLOCK_K"]), **gate_cfg, **pdl.launch(x.device))
-    bn2, bk2 = fp8.fmt.implied_block(tuple(w2.shape), tuple(s2.shape))
+    bn2, bk2 = fp8.fmt.block_of(w2, s2)
     part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
     _down_fp8_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
         h, w2, s2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),

@@ -26,7 +26,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-from ..weights.fp8 import implied_block
+from ..weights.fp8 import block_of, kernel_operands
 from . import act_kernels, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
@@ -69,10 +69,9 @@ def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weig
     if scale2 is None:
         second = supported(x2, weight2)
     else:
-        second = (weight2.dtype == torch.float8_e4m3fn and x2.dtype == x.dtype and x2.dtype != torch.float32
-                  and weight2.dim() == 2 and weight2.stride(-1) == 1 and x2.shape[-1] == weight2.shape[1]
-                  and weight2.numel() <= MAX_WEIGHT_ELEMENTS
-                  and implied_block(tuple(weight2.shape), tuple(scale2.shape))[1] >= 16)
+        second = (kernel_operands(x2, weight2, INTERPRET) and x2.dtype == x.dtype and weight2.dim() == 2
+                  and x2.shape[-1] == weight2.shape[1] and weight2.numel() <= MAX_WEIGHT_ELEMENTS
+                  and block_of(weight2, scale2)[1] >= 16)
     return second and weight.shape[0] == weight2.shape[0] and x.numel() // x.shape[-1] == x2.numel() // x2.shape[-1]
 
 
@@ -177,8 +176,7 @@ if triton is not None:
     def scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN: tl.constexpr, BK: tl.constexpr,
                     BLOCK_K: tl.constexpr, SUB: tl.constexpr):
         """[BLOCK_N, BLOCK_K] block scales (BN x BK blocks, SUB = min(BK, BLOCK_K)) of an FP8 weight
-        tile at rows n, columns k0..: one load
-        per scale block, broadcast along it (per-element loads or per-block partial sums cost
+        tile at rows n, columns k0..: one load per scale block, broadcast along it (per-element loads or per-block partial sums cost
         64 scalar loads or 328 shuffles a 2048-wide step in the sm_90 PTX)."""
         NB: tl.constexpr = BLOCK_K // SUB
         kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
@@ -346,7 +344,7 @@ if triton is not None:
         block_m = rows_tile(m, cfg["DOT"])
         fp8 = {}
         if scale2 is not None:
-            bn2, bk2 = implied_block(tuple(wb.shape), tuple(scale2.shape))
+            bn2, bk2 = block_of(wb, scale2)
             fp8 = {"FP8_2": True, "BN2": bn2, "BK2": bk2, "SUB2": min(bk2, cfg["BLOCK_K"])}
         s2 = scale2 if scale2 is not None else x2  # unread without FP8_2
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](

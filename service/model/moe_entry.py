@@ -9,9 +9,9 @@ three weights' rows between them replaces three launches plus the activation's. 
 streams BLOCK_N rows of one weight (for the shared experts: BLOCK_N gate rows and the matching up
 rows, so the activation is in its epilogue) with fp32 accumulation, and rounds as the separate
 ops do: logits in fp32, the latent and the GEMM outputs in the model dtype, then
-`layers.act_and_mul`'s roundings. FP8 models (block-scaled latent down and shared gate/up; the
-router stays in the model dtype) scale each weight tile as the FP8 GEMV does (fp8.row_times /
-rows_times), where they paid the four launches and the shared down-projection's own.
+`layers.act_and_mul`'s roundings. FP8 models take it too: the latent down and shared gate/up are
+block-scaled (the router stays in the model dtype), and each of their weight tiles is scaled as
+the FP8 GEMV scales it (fp8.row_times / rows_times). Before, an FP8 layer launched all four apart.
 
 A `torch.library` custom op: compiled decoder layers keep it opaque, CUDA graphs capture it.
 """
@@ -57,11 +57,8 @@ def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor,
     return (down_scale is not None and shared_scale is not None and gemv.supported(x[:1], router)
             and all(fp8.gemm_supported(x, w) and w.shape[1] == x.shape[1] and w.numel() <= gemv.MAX_WEIGHT_ELEMENTS
                     for w in (down, shared_gate_up))
-            and _block(down, down_scale) == _block(shared_gate_up, shared_scale) and _block(down, down_scale)[1] >= 16)
-
-
-def _block(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
-    return fmt.implied_block(tuple(weight.shape), tuple(scale.shape))
+            and fmt.block_of(down, down_scale) == fmt.block_of(shared_gate_up, shared_scale)
+            and fmt.block_of(down, down_scale)[1] >= 16)
 
 
 if triton is not None:
@@ -227,7 +224,7 @@ if triton is not None:
         logits = torch.empty(m, experts, dtype=torch.float32, device=x.device)
         x = x if x.stride(-1) == 1 else x.contiguous()
         is_fp8 = down_scale is not None
-        bn_s, bk_s = _block(down, down_scale) if is_fp8 else (16, 16)
+        bn_s, bk_s = fmt.block_of(down, down_scale) if is_fp8 else (16, 16)
         scales = (down_scale, shared_scale) if is_fp8 else (down, shared_gate_up)  # unread without FP8
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if m > 1:

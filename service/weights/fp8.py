@@ -168,3 +168,15 @@ def implied_block(shape: tuple[int, ...], scale_shape_: tuple[int, ...]) -> tupl
         per = -(-dim // blocks)
         return 1 << max(per - 1, 0).bit_length()
     return one(shape[-2], scale_shape_[-2]), one(shape[-1], scale_shape_[-1])
+
+
+def block_of(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """implied_block of a weight and its `_scale_inv` tensor."""
+    return implied_block(tuple(weight.shape), tuple(scale.shape))
+
+
+def kernel_operands(x: torch.Tensor, weight: torch.Tensor, interpreted: bool) -> bool:
+    """What every FP8 Triton kernel takes: an FP8 weight with contiguous K against 16-bit
+    activations. Interpreted (CPU tests), fp16 only: the interpreter's tl.dot takes no bf16."""
+    ok_x = x.dtype == torch.float16 if interpreted else x.dtype in (torch.bfloat16, torch.float16)
+    return ok_x and weight.dtype == FP8 and weight.stride(-1) == 1
