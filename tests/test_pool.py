@@ -273,3 +273,17 @@ def test_rules_and_merging():
     m = merge_reports([a, b])
     assert m["bytes_released"] == 15 and m["seconds"] == 0.7 and m["chunks"] == {"state": 3}
     assert m["ranks"] == [0, 1] and m["noop"] is None
+
+
+def test_an_engine_shutdown_gives_its_pool_back():
+    """An in-process engine (the 'uni' executor) returns every chunk at shutdown: on CUDA they are
+    cuMem memory that nothing else frees, so a second engine in the process ran out of memory."""
+    from service import LLM, SamplingParams
+
+    llm = LLM("tiny", distributed_executor_backend="uni", dtype="float32", hf_overrides={"num_hidden_layers": 2})
+    worker = llm.executor.rank0
+    pool = worker.pool
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=2))
+    assert pool.chunks and pool.data_ptrs()
+    llm.shutdown()
+    assert not pool.chunks and worker.model is None and not worker.kv_caches

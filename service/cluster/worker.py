@@ -367,3 +367,16 @@ class RankWorker(RankWeights, RankRPC):
         if self.collective is not None:
             self.collective.close()
         self.tp.destroy()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Give the pool's chunks back. A CUDA chunk is cuMem memory, which no finalizer frees: an
+        engine in this process (the 'uni' executor: RLHF colocated with its trainer, the bench's
+        builds) kept all its weights and caches after shutdown, and run 51's fifth build on an
+        80 GB H100 ran out of memory. The graphs and the model go first: nothing may replay or
+        read the unmapped addresses."""
+        with self._exec_lock:
+            self.decode_graphs = self.prefill_graphs = None
+            self.model, self.kv_caches = None, []
+            if self.pool is not None:
+                self.pool.close()
