@@ -9,7 +9,8 @@
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
 # own shape, and the GEMV at 128 and 256 rows. `k3_tests` is the gate for Kimi-K3's step kernel as
 # a default: greedy tokens in CUDA graphs against eager with the K3 switches on, and the KDA
-# layer's graph replays (run 50 gave it 135 s, too few for the cold compile). `fp8`: FP8 decode
+# layer's graph replays, each K3 candidate alone (run 55: the four together diverge). Give it a whole
+# call (~560 s): run 50's 135 s and run 52's 280 s ran out in the cold compile. `fp8`: FP8 decode
 # with its projections of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
@@ -40,7 +41,7 @@ commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ech
 if { [ "$what" = bench ] || [ "$what" = all ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines merge_out_off,absorb_narrow_k,pair_slots,gemv_256,select_lean,slot_norm,rope_in_decode,absorb_l2_tiles \
+    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines absorb_l2_tiles,pair_slots,select_lean,merge_out_off \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
