@@ -376,6 +376,7 @@ class MemoryPool:
 
     def close(self) -> None:
         """Give every chunk's memory back. Tensors from this pool must not be used afterwards."""
+        self.backend.synchronize()  # no kernel still reading or writing the memory as it is unmapped
         for c in self.chunks:
             self.backend.close(c.region)
         self.chunks.clear()
