@@ -374,9 +374,15 @@ class RankWorker(RankWeights, RankRPC):
         engine in this process (the 'uni' executor: RLHF colocated with its trainer, the bench's
         builds) kept all its weights and caches after shutdown, and run 51's fifth build on an
         80 GB H100 ran out of memory. The graphs and the model go first: nothing may replay or
-        read the unmapped addresses."""
-        with self._exec_lock:
+        read the unmapped addresses. A step still running after 5 s (a rank stuck in a collective)
+        keeps the memory: a shutdown must not hang on it, nor unmap memory under it."""
+        if not self._exec_lock.acquire(timeout=5.0):
+            log.warning("shutdown_memory_kept", rank=self.rank, reason="a step is still running")
+            return
+        try:
             self.decode_graphs = self.prefill_graphs = None
             self.model, self.kv_caches = None, []
             if self.pool is not None:
                 self.pool.close()
+        finally:
+            self._exec_lock.release()
