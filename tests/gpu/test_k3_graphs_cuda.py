@@ -97,6 +97,20 @@ def switch(monkeypatch, build: str) -> None:
     monkeypatch.setenv("LATENTSERVE_PDL", BUILDS[build].get("LATENTSERVE_PDL", "1"))
 
 
+def test_k3_candidates_eager_match_the_defaults(eager_fp32, monkeypatch):
+    """The four candidates without graphs or compiled layers: where test_k3_greedy_in_graphs_matches_eager's
+    `candidates` fails and this passes, the fault is in their capture, not their kernels."""
+    switch(monkeypatch, "candidates")
+    llm = make_llm("float32", eager=True)
+    try:
+        outs = generate(llm)
+    finally:
+        llm.shutdown()
+    rep = compare(eager_fp32, outs, 1e-3)
+    print(f"\nfp32 eager candidates vs fp32 eager: noise {rep['noise']:.2e}, divergences {rep['divergences']}")
+    assert not rep["unexplained"], f"divergences at clear margins: {rep['unexplained']}"
+
+
 @pytest.mark.parametrize("dtype,floor,max_noise,build", CASES, ids=[f"{d}-{b}" for d, _, _, b in CASES])
 def test_k3_greedy_in_graphs_matches_eager(eager_fp32, dtype, floor, max_noise, build, monkeypatch):
     switch(monkeypatch, build)
@@ -119,20 +133,6 @@ def test_k3_greedy_in_graphs_matches_eager(eager_fp32, dtype, floor, max_noise, 
     assert not rep["unexplained"], f"divergences at clear margins: {rep['unexplained']}"
     if dtype == "float32":
         assert len(rep["divergences"]) <= 1, f"fp32 parts at more than one near-tie: {rep['divergences']}"
-
-
-def test_k3_candidates_eager_match_the_defaults(eager_fp32, monkeypatch):
-    """The four candidates without graphs or compiled layers: where test_k3_greedy_in_graphs_matches_eager's
-    `candidates` fails and this passes, the fault is in their capture, not their kernels."""
-    switch(monkeypatch, "candidates")
-    llm = make_llm("float32", eager=True)
-    try:
-        outs = generate(llm)
-    finally:
-        llm.shutdown()
-    rep = compare(eager_fp32, outs, 1e-3)
-    print(f"\nfp32 eager candidates vs fp32 eager: noise {rep['noise']:.2e}, divergences {rep['divergences']}")
-    assert not rep["unexplained"], f"divergences at clear margins: {rep['unexplained']}"
 
 
 def test_k3_sleep_cycles_replay_the_graphs_captured_once():
