@@ -28,7 +28,13 @@ def supported(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.T
     if not (triton is not None and (x.is_cuda or moe_kernels.INTERPRET) and moe_grouped.enabled() and act in ACTS
             and kernel_operands(x, w13, moe_kernels.INTERPRET) and kernel_operands(x, w2, moe_kernels.INTERPRET)):
         return False
-    return min(block_of(w13, s13)[1], block_of(w2, s2)[1]) >= 16
+    return k_block(w13, s13, w2, s2) >= 16
+
+
+def k_block(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor) -> int:
+    """The narrower scale block along K of w13 and w2: the expert kernels' K steps hold whole
+    scale blocks or lie inside one, and tl.arange/the reductions want at least 16."""
+    return min(block_of(w13, s13)[1], block_of(w2, s2)[1])
 
 
 if triton is not None:

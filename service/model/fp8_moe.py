@@ -24,7 +24,7 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
     """FusedExperts.forward for FP8 weights: this rank's partial sum over experts [M, W]."""
     w13, w2, s13, s2 = module.w13, module.w2, module.w13_scale_inv, module.w2_scale_inv
     if (moe_kernels.experts_supported(x, module.act_name) and x.dtype in (torch.bfloat16, torch.float16)
-            and fp8.triton is not None and _k_blocks(w13, s13, w2, s2) >= 16):
+            and fp8.triton is not None and fp8_grouped.k_block(w13, s13, w2, s2) >= 16):
         out = moe_kernels.call(torch.ops.latentserve.fp8_moe_experts, x, w13, s13, w2, s2, weights, ids,
                                module.act_name, module.act_beta, module.act_linear_beta)
         if out is not None:
@@ -54,13 +54,6 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
         h = act(F.linear(x[tokens[rows]], w13d[e]))
         y[rows] = F.linear(h, w2d[e]).float() * weights.flatten()[rows, None]
     return y.view(m, k, -1).sum(dim=1).to(x.dtype)
-
-
-def _k_blocks(w13, s13, w2, s2) -> int:
-    """The narrower scale block along K of w13 and w2: the kernels' K steps hold whole scale
-    blocks or lie inside one, and tl.arange/the reductions want at least 16."""
-    return min(fp8.fmt.block_of(w13, s13)[1],
-               fp8.fmt.block_of(w2, s2)[1])
 
 
 def _grouped_mm_fast(x: torch.Tensor) -> bool:
