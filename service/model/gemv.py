@@ -174,10 +174,11 @@ if triton is not None:
 
     @triton.jit
     def scale_tile(s_ptr, n, k0, stride_s, kblocks, nmask, BN: tl.constexpr, BK: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SUB: tl.constexpr):
         """[BLOCK_N, BLOCK_K] block scales (BN x BK blocks, SUB = min(BK, BLOCK_K)) of an FP8 weight
-        tile at rows n, columns k0..: one load per scale block, broadcast along it (per-element loads or per-block partial sums cost
-        64 scalar loads or 328 shuffles a 2048-wide step in the sm_90 PTX)."""
+        tile at rows n, columns k0..: one load per scale block, broadcast along it (per-element
+        loads or per-block partial sums cost 64 scalar loads or 328 shuffles a 2048-wide step in
+        the sm_90 PTX)."""
         NB: tl.constexpr = BLOCK_K // SUB
         kb = k0 // BK + (tl.arange(0, NB) * SUB) // BK
         sv = tl.load(s_ptr + (n // BN)[:, None] * stride_s + kb[None, :], mask=nmask[:, None] & (kb < kblocks)[None, :],
