@@ -42,7 +42,8 @@ BV = 32
 
 
 def enabled() -> bool:
-    """LATENTSERVE_KDA_DECODE_STEP=1 (not yet timed on a GPU: `bench/gpu_check.sh k3` times it)."""
+    """LATENTSERVE_KDA_DECODE_STEP=1: opt-in until `bench/gpu_check.sh k3` times it as its gate now
+    passes (run 48, before the fix: 0.93-0.96x of the conv kernel's step)."""
     return os.environ.get("LATENTSERVE_KDA_DECODE_STEP", "0") == "1"
 
 
@@ -71,11 +72,22 @@ def run(layer: torch.nn.Module, x: torch.Tensor, meta: AttnMetadata, state) -> t
         f_b = None
     (mixed, raw_g, raw_beta), gate = layer.project(x, f_b=f_b is None)
     t = x.shape[0]
-    out = decode_step(mixed, state.conv, layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight,
-                      raw_g.reshape(t, -1), raw_beta, gate.view(t, -1), layer.A_log, layer.dt_bias,
-                      layer.o_norm.weight, state.recurrent, meta.state_slots, meta.positions, layer.head_dim ** -0.5,
-                      layer.lower_bound, layer.o_norm.eps, f_b)
+    out = _outside_compile(mixed, state.conv, layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight,
+                           raw_g.reshape(t, -1), raw_beta, gate.view(t, -1), layer.A_log, layer.dt_bias,
+                           layer.o_norm.weight, state.recurrent, meta.state_slots, meta.positions,
+                           layer.head_dim ** -0.5, layer.lower_bound, layer.o_norm.eps, f_b)
     return layer.o_proj(out)
+
+
+@torch.compiler.disable
+def _outside_compile(*args):
+    """The step op, run eagerly inside a compiled layer: a graph break, which a captured graph
+    replays the same. conv and recurrent are two views of one pool chunk, so the compiled layer
+    hands the op a copy of their common base for one of them, and torch 2.11's Inductor on CUDA
+    copies that base from the view's own address, without the views' offset: the op read and
+    advanced garbage rows (run 57, `bench/alias_probe.py`; the CPU's Inductor copies it right).
+    Kimi-K3's tokens diverged at every first decode step in graphs (runs 52, 55, 56)."""
+    return decode_step(*args)
 
 
 if triton is not None:
