@@ -9,8 +9,8 @@
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
 # own shape, and the GEMV at 128 and 256 rows. `k3_tests` is the gate for Kimi-K3's step kernel as
 # a default: greedy tokens in CUDA graphs against eager with the K3 switches on, and the KDA
-# layer's graph replays, each K3 candidate alone (run 55: the four together diverge). Give it a whole
-# call (~560 s): run 50's 135 s and run 52's 280 s ran out in the cold compile. `fp8`: FP8 decode
+# layer's graph replays (runs 55-56: the step kernel diverged in graphs; run 57: fixed, passes). Give
+# it a whole call (~560 s): run 56 ran out at 571 s before its bf16 cases, with builds since cut. `fp8`: FP8 decode
 # with its projections of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
@@ -69,6 +69,7 @@ if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode gr
   # over four programs up to 8 sequences, the last to arrive norming the row; `all`: `step_multi` plus the
   # attention-residual mixes as one kernel each and MLA's output gate in W_UV's kernel; last,
   # `step_multi` without PDL, whose profile gives each kernel its own time.
+  timeout 60 python3 bench/alias_probe.py cuda 2>&1 | grep alias_probe  # the step kernel's fix's cause
   timeout "$(( $(left) - 10 ))" python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail \
     --batches 1,8,64 --profile-batches 1,64 --k3-configs none,step_multi,step_wide,step_split,all,step_no_pdl --json "$OUT/k3graphs.json" \
     > "$OUT/k3graphs.log" 2>&1
