@@ -329,6 +329,8 @@ def bench_k3(args, bw: float) -> None:
 # (run 48: `none`, first, ran out of a quarter of the call).
 K3_STEP = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1"}
 K3_CONFIGS = {"none": {}, "step_multi": K3_STEP,
+              # the step kernel alone against `none`: the ratio that decides it as K3's default
+              "step": {"LATENTSERVE_KDA_DECODE_STEP": "1"},
               # the step kernel's state in 64-column blocks on 8 warps up to 8 sequences (kda_step.block_cols)
               "step_wide": {**K3_STEP, "LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS": "8"},
               # a head's columns over four programs up to 8 sequences (kda_step.split_max_rows)
