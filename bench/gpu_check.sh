@@ -15,7 +15,7 @@
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|fp8|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|fp8|mla_small|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +59,24 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   timeout "$(( $(left) - 10 ))" python3 bench/gemv.py --rows 128 256 --sweep \
     --shapes fused_qkv_a q_b o_proj latent_up shared_down --json "$OUT/gemv_256.json" > "$OUT/gemv_256.log" 2>&1
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
+fi
+if [ "$what" = mla_small ]; then  # the MLA split kernel at 1 and 8 sequences, where it is latency
+  # Run 58's no-PDL profile: 10.0 / 13.5 us a layer in the engine for 0.3 / 2.2 us of KV at copy
+  # bandwidth, the largest single excess at both (run 28's standalone, no KV write: 7.2 / 11.2).
+  # The engine's variant (it writes and attends the new token, blocks in order) under ncu, then its
+  # launch shapes swept.
+  for b in 1 8; do
+    timeout 150 ncu --clock-control none --kernel-name _mla_decode_split --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters \
+      python3 bench/mla_decode.py --batches "$b" --write-kv --in-order > "$OUT/ncu_mla_b$b.txt" 2>&1
+    echo "== ncu mla batch $b rc=$?"
+    grep -E "Duration|Elapsed Cycles|Registers Per|Eligible Warps|Warp Cycles Per Issued|DRAM Throughput|stalled" \
+      "$OUT/ncu_mla_b$b.txt" | cut -c1-200 | head -12
+  done
+  timeout "$(( $(left) - 10 ))" python3 bench/mla_decode.py --batches 1 8 --write-kv --in-order --sweep \
+    --splits 8 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 1 2 --json "$OUT/mla_small.json" > "$OUT/mla_small.log" 2>&1
+  echo "== mla sweep rc=$?"; cut -c1-700 "$OUT/mla_small.log"
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
   # The K3 candidates against none (the defaults) in one process (bench/gpu.py's K3_CONFIGS): the
