@@ -466,6 +466,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              "separate_moe_entry": {"LATENTSERVE_MOE_ENTRY": "0"}, "no_pdl": {"LATENTSERVE_PDL": "0"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
+             # The split kernel writes the new KV row before its tile loop and reads it back with the
+             # tiles, no epilogue (mla_decode.write_first; a candidate after run 58's profile).
+             "mla_write_first": {"LATENTSERVE_MLA_WRITE_FIRST": "1"},
              # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).
              "mla_no_prefetch": {"LATENTSERVE_MLA_PREFETCH": "0"},
              # The MoE entry kernel at one row only, separate launches from 2 rows (the default before

@@ -38,7 +38,8 @@ POINTERS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "
 UNSPECIALIZED = ("stride_bt", "scale")  # do_not_specialize, and a float
 
 
-def compile_split(block_n: int, warps: int, stages: int, write_kv: bool, prefetch: bool, maxnreg: int | None = None):
+def compile_split(block_n: int, warps: int, stages: int, write_kv: int, prefetch: bool, maxnreg: int | None = None):
+    """write_kv: the kernel's WRITE_KV (0: none, 1: the new row attended after the loop, 2: written first)."""
     fn = mla_decode._mla_decode_split
     names = fn.arg_names
     consts = dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=1,
@@ -76,12 +77,13 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 5])
     ap.add_argument("--write-kv", action="store_true", help="the engine's variant: writes the new token")
+    ap.add_argument("--write-first", action="store_true", help="with --write-kv: the row written before the loop")
     ap.add_argument("--prefetch", action="store_true", help="also PREFETCH_BT (next tile's block table a step ahead)")
     ap.add_argument("--maxnreg", type=int, help="cap registers a thread (ptx .maxnreg)")
     args = ap.parse_args()
     for bn, warps, stages, pf in itertools.product(args.block_n, args.warps, args.stages,
                                                   (False, True) if args.prefetch else (False,)):
-        k = compile_split(bn, warps, stages, args.write_kv, pf, args.maxnreg)
+        k = compile_split(bn, warps, stages, (2 if args.write_first else 1) if args.write_kv else 0, pf, args.maxnreg)
         ttgir = k.asm["ttgir"]
         kv = re.search(r"memdesc<(\d+)x\d+x512x", ttgir)
         regs, spill = registers(k.asm["ptx"])

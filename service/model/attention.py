@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
-from . import cpu_kernels, gemv_multi, mla_absorb, mla_decode, sdpa
+from . import cpu_kernels, gemv_multi, mla_absorb, mla_decode, mla_merge, sdpa
 from .attn_metadata import AttnMetadata
 from .layers import (
     ColumnParallelLinear,
@@ -127,7 +127,7 @@ class MLAAttention(nn.Module):
         epilogue, sigmoid included) instead of a kernel before o_proj (LATENTSERVE_MLA_GATE_IN_KERNEL=1,
         opt-in until `bench/gpu.py k3graphs` times it; not where the merge_out candidate runs W_UV)."""
         return (self.g_proj is not None and os.environ.get("LATENTSERVE_MLA_GATE_IN_KERNEL", "0") == "1"
-                and rows > mla_decode.merge_out_max_rows())
+                and rows > mla_merge.merge_out_max_rows())
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 into: tuple[torch.Tensor, torch.Tensor] | None = None, rope_q: bool = True, gate_sigmoid: bool = True
@@ -305,7 +305,7 @@ class MLAAttention(nn.Module):
             # Four kernels (three at one split) where the bmm path took seven (mla_absorb.py):
             # q_latent and q_pe go to the attention kernel as two inputs, its fp32 output to o_proj's rows.
             q_latent = torch.ops.latentserve.mla_absorb_q(q[..., : self.nope], w_uk)
-            merge_out = b <= mla_decode.merge_out_max_rows()  # the splits' merge and W_UV in one kernel
+            merge_out = b <= mla_merge.merge_out_max_rows()  # the splits' merge and W_UV in one kernel
             o = mla_decode.mla_decode(q_latent, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
                                       self.kv_lora_rank, self.scale, q_pe=q[..., self.nope:],
                                       w_uv=w_uv if merge_out else None, rope=rope, **new)

@@ -8,7 +8,7 @@ the GPU busy when the batch is small; their partial outputs merge by log-sum-exp
 
 The split count depends on the batch size only, never on context lengths read from the
 device, so a CUDA graph captured for a batch size stays valid for any context. A second small
-Triton kernel merges the splits (or, opt-in, merges them and applies W_UV: `merge_out`).
+Triton kernel merges the splits (mla_merge.py; or merges them and applies W_UV: `merge_out`).
 
 Under torch.compile (the decode layers compiled inside the CUDA graphs) the two kernels are one
 opaque custom op, `torch.ops.latentserve.mla_decode`: Inductor neither traces the launch nor
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from . import mla_absorb, pdl  # noqa: F401 - mla_absorb registers the W_UV op the one-split case calls
+from . import mla_absorb, mla_merge, pdl  # noqa: F401 - mla_absorb registers the W_UV op the one-split case calls
 
 try:
     import triton
@@ -44,6 +44,15 @@ BLOCK_H = 16  # tl.dot needs at least 16 rows; fewer heads are masked
 # Prefetching the block table (PREFETCH_BT) gives the tile 2 buffers at 3 stages: that held in
 # the engine (runs 34-37: split kernel 112 -> 95 us at 256, steps 1.03x at 64 and 1.06x at 256).
 MAX_SPLITS, MIN_SPLITS, SPLIT_PROGRAMS, ONE_SPLIT_PROGRAMS = 32, 4, 128, 256
+
+
+def write_first() -> bool:
+    """LATENTSERVE_MLA_WRITE_FIRST=1 (a candidate): the kernel writes the step's new KV row before its
+    tile loop and reads it back with the tiles (`_mla_decode_split`'s WRITE_KV=2). Run 58: the split
+    kernel takes 10.0 us a layer at one sequence where run 28's kernel without the write took 7.2
+    standalone; sm_90 SASS, 8 warps, one 32-token tile: 1584 instructions with the epilogue, 1176
+    without."""
+    return os.environ.get("LATENTSERVE_MLA_WRITE_FIRST", "0") == "1"
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -110,7 +119,7 @@ if triton is not None:
         start = split * per_split
         end = tl.minimum(start + per_split, ctx)
         owns_new = (start <= ctx - 1) & (ctx - 1 < end)
-        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV else end
+        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV == 1 else end
         return ctx, start, loop_end, owns_new
 
     @triton.jit
@@ -120,6 +129,13 @@ if triton is not None:
         k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
         k_pe = tl.load(kv_ptr + slot[:, None] * stride_slot + D_LAT + d_pe[None, :], mask=nmask[:, None], other=0.0)
         return k_lat, k_pe
+
+    @triton.jit
+    def _write_new(kv_ptr, new_ptr, new_slot_ptr, b, stride_slot, stride_new, d_lat, d_pe, D_LAT: tl.constexpr):
+        """Sequence b's new row [c_kv | k_pe] into its cache slot."""
+        slot = kv_ptr + tl.load(new_slot_ptr + b).to(tl.int64) * stride_slot
+        tl.store(slot + d_lat, tl.load(new_ptr + b * stride_new + d_lat))
+        tl.store(slot + D_LAT + d_pe, tl.load(new_ptr + b * stride_new + D_LAT + d_pe))
 
     @triton.jit
     def _query_pe(qpe_ptr, cos_ptr, sin_ptr, b, heads, hmask, stride_pb, stride_ph, stride_cs,
@@ -178,11 +194,13 @@ if triton is not None:
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr,
                           ROPE: tl.constexpr = 0):
-        """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) is attended
-        from registers after the loop, and written to its slot (head block 0), by the one program
-        whose split holds its position: the KV write needs no kernel of its own. The loop stops
-        before that position and stays as it is (substituting the row inside the pipelined tile
-        loads cost 36 KB more shared memory a program, compiled for sm_90).
+        """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) goes to its
+        slot in this kernel, which needs no launch of its own. 1: the one split whose range holds
+        its position attends it from registers after the loop, which stops before it, and head
+        block 0 writes it (substituting the row inside the pipelined tile loads cost 36 KB more
+        shared memory a program, compiled for sm_90). 2 (`write_first`): every head block of that
+        split writes it before the loop (the same bytes), then a barrier, and the loop reads it
+        from the cache with the rest: no epilogue, ~400 fewer instructions on the critical path.
         PREFETCH_BT: each step loads the next tile's block-table entries, so the KV tile's address
         comes from the step before and Triton's pipeline gives the KV tile num_stages - 1 buffers
         (one at 2-4 stages otherwise: the block-table load took the first stages)."""
@@ -193,6 +211,10 @@ if triton is not None:
         d_pe = tl.arange(0, D_PE)
         pdl.enter(PDL)
         ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
+        if WRITE_KV == 2:
+            if owns_new:
+                _write_new(kv_ptr, new_ptr, new_slot_ptr, b, stride_slot, stride_new, d_lat, d_pe, D_LAT)
+            tl.debug_barrier()  # bar.sync: the row's bytes, stored by other threads, before any tile load
 
         heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < num_heads
@@ -216,7 +238,7 @@ if triton is not None:
             k_lat, k_pe = _kv_tile(kv_ptr, blk, offs, nmask, stride_slot, d_lat, d_pe, BLOCK_SIZE, D_LAT)
             m_i, l_i, acc = _attend(q_lat, q_pe, k_lat, k_pe, nmask, m_i, l_i, acc, scale, IEEE)
 
-        if WRITE_KV:
+        if WRITE_KV == 1:
             if owns_new:  # one more position: the new token, from registers
                 new_lat = tl.load(new_ptr + b * stride_new + d_lat)
                 new_pe = tl.load(new_ptr + b * stride_new + D_LAT + d_pe)
@@ -242,77 +264,6 @@ if triton is not None:
         o_row = o_ptr + b * stride_ob + split * stride_os + heads[:, None] * stride_oh
         tl.store(o_row + d_lat[None, :], out, mask=hmask[:, None])
         tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
-
-
-    @triton.jit
-    def _merged(o_ptr, lse_ptr, b, h, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D_LAT: tl.constexpr):
-        """Sequence b's head h: the log-sum-exp weighted mean of its splits' outputs [D_LAT], fp32."""
-        s = tl.arange(0, S_PAD)
-        smask = s < NUM_SPLITS
-        lse = tl.load(lse_ptr + b * stride_lb + s * stride_ls + h, mask=smask, other=float("-inf"))
-        # Split 0 is never empty (context >= 1), so the max is finite; empty splits weigh 0.
-        w = tl.exp(lse - tl.max(lse, 0))
-        d = tl.arange(0, D_LAT)
-        o = tl.load(o_ptr + b * stride_ob + s[:, None] * stride_os + h * stride_oh + d[None, :],
-                    mask=smask[:, None], other=0.0)
-        return tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-
-    @triton.jit
-    def _mla_decode_merge(o_ptr, lse_ptr, out_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                          num_heads, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D_LAT: tl.constexpr,
-                          PDL: tl.constexpr):
-        """One program per (sequence, head): the log-sum-exp weighted mean of its splits."""
-        pdl.enter(PDL)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        out = _merged(o_ptr, lse_ptr, b, h, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, NUM_SPLITS,
-                      S_PAD, D_LAT)
-        tl.store(out_ptr + (b * num_heads + h) * D_LAT + tl.arange(0, D_LAT), out)
-
-    @triton.jit
-    def _merge_out_kernel(o_ptr, lse_ptr, w_ptr, out_ptr, J, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                          stride_wh, stride_wj, stride_out, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                          D_LAT: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
-        """Program (sequence, head, block of outputs): the head's merged output (`_merged`, as the
-        merge kernel computes it), rounded to the weight's dtype, times W_UV[h] rows j (a register
-        product: a few sequences, no 16-row padding), written to o_proj's row. W_UV's tile is read
-        before the PDL wait."""
-        b = tl.program_id(0)
-        h = tl.program_id(1).to(tl.int64)
-        j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
-        jmask = j < J
-        d = tl.arange(0, D_LAT)
-        w = tl.load(w_ptr + h * stride_wh + j[:, None] * stride_wj + d[None, :], mask=jmask[:, None], other=0.0)
-        pdl.enter(PDL)
-        merged = _merged(o_ptr, lse_ptr, b, h, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, NUM_SPLITS,
-                         S_PAD, D_LAT).to(w.dtype).to(tl.float32)
-        y = tl.sum(w.to(tl.float32) * merged[None, :], 1)
-        tl.store(out_ptr + b * stride_out + h * J + j, y.to(out_ptr.dtype.element_ty), mask=jmask)
-
-
-def merge_out_max_rows() -> int:
-    """Up to this many sequences the split merge and `absorb_out` are one kernel (`merge_out`),
-    one launch fewer a layer (LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS; 0: never, bench/gpu.py's
-    `merge_out_off`). One by default since run 47 (2026-12-05, H200): batch 1 1.674 ms, 0.95x of
-    the same run's step without it (1.770, that build's one other change acting at one row); up to
-    8 rows batch 8 took 3.271 ms against 3.148 (1.04x), each program then reading W_UV's slice
-    for its one sequence."""
-    return int(os.environ.get("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "1"))
-
-
-def merge_out(o: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o [B, S, H, L] fp32 and lse [B, S, H] (the split kernel's) against w_uv [H, v, L] ->
-    [B, H * v] in w_uv's dtype: mla_absorb's `absorb_out` of the merged output, one kernel."""
-    b, splits, h, lat = o.shape
-    v = w_uv.shape[1]
-    out = torch.empty(b, h * v, dtype=w_uv.dtype, device=o.device)
-    block_j = 16 if lat >= 512 else 32  # the W tile in registers: 16 x 512 bf16 a program
-    _merge_out_kernel[(b, h, triton.cdiv(v, block_j))](
-        o, lse, w_uv, out, v, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        w_uv.stride(0), w_uv.stride(1), out.stride(0), NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
-        D_LAT=lat, BLOCK_J=block_j, num_warps=4, **pdl.launch(o.device))
-    return out
 
 
 def mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -384,18 +335,12 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0,
         cos.stride(0), h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        NUM_SPLITS=splits, WRITE_KV=write, IEEE=ieee, ROPE=0 if rope is None else 2 if rope[2] else 1,
+        NUM_SPLITS=splits, WRITE_KV=(2 if write_first() else 1) if write else 0, IEEE=ieee, ROPE=0 if rope is None else 2 if rope[2] else 1,
         **launch, **pdl.launch(q_lat.device),
     )
     if w_uv is not None:
-        return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv) if splits == 1 else merge_out(o, lse, w_uv)
-    if splits == 1:
-        return o[:, 0]
-    out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
-    _mla_decode_merge[(b, h)](o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                              h, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), D_LAT=kv_lora_rank,
-                              num_warps=4, **pdl.launch(o.device))
-    return out
+        return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv) if splits == 1 else mla_merge.merge_out(o, lse, w_uv)
+    return o[:, 0] if splits == 1 else mla_merge.merge(o, lse)
 
 
 if triton is not None:

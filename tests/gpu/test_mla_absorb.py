@@ -15,7 +15,7 @@ require_kernel_device()
 
 from test_mla_decode_kernel import case  # noqa: E402
 
-from service.model import mla_absorb, mla_decode  # noqa: E402
+from service.model import mla_absorb, mla_decode, mla_merge  # noqa: E402
 
 pytestmark = kernel_marks(300)
 DTYPES = [(torch.float32, 1e-5)] + ([] if INTERPRET else [(torch.bfloat16, 1e-2)])
@@ -197,7 +197,7 @@ def test_absorbed_decode_merges_through_w_uv(monkeypatch, spy):
         monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "0")
         separate = attn._absorbed_decode(q, kv, meta)
         monkeypatch.setenv("LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS", "8")
-        calls = spy(mla_decode, "merge_out")
+        calls = spy(mla_merge, "merge_out")
         fused = attn._absorbed_decode(q, kv, meta)
     assert len(calls) == 1 and fused.shape == separate.shape == (4, 8, 32)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
@@ -230,9 +230,12 @@ def test_decode_writes_the_new_token_and_attends_it(splits):
     assert torch.equal(flat[others].nan_to_num(7.0), before.view(-1, lora + rope)[others].nan_to_num(7.0))
 
 
-def test_attention_decode_writes_kv_in_the_kernel(monkeypatch):
-    """MLAAttention.forward on a step of decodes: the kernel's own KV write equals write_kv's
+@pytest.mark.parametrize("first", ["0", "1"], ids=["write_after", "write_first"])
+def test_attention_decode_writes_kv_in_the_kernel(monkeypatch, first):
+    """MLAAttention.forward on a step of decodes: the kernel's own KV write (the new row attended
+    after the tile loop, or written before it: LATENTSERVE_MLA_WRITE_FIRST) equals write_kv's
     (LATENTSERVE_MLA_WRITE_KV=0) in output and cache."""
+    monkeypatch.setenv("LATENTSERVE_MLA_WRITE_FIRST", first)
     attn, cfg = attention_layer()
     meta, cache, x, cos, sin = decode_step(cfg)
     assert attn._decode_writes_kv(torch.empty(3, 8, 48, device=DEVICE), cache, meta)
