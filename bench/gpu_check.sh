@@ -74,6 +74,10 @@ if [ "$what" = mla_small ]; then  # the MLA split kernel at 1 and 8 sequences, w
     grep -E "Duration|Elapsed Cycles|Registers Per|Eligible Warps|Warp Cycles Per Issued|DRAM Throughput|stalled" \
       "$OUT/ncu_mla_b$b.txt" | cut -c1-200 | head -12
   done
+  for first in 0 1; do  # the write-first candidate (mla_decode.write_first) against the epilogue, standalone
+    LATENTSERVE_MLA_WRITE_FIRST=$first timeout 120 python3 bench/mla_decode.py --batches 1 8 64 256 --write-kv \
+      --in-order 2>&1 | grep -oE '"batch": [0-9]+|"ours_us": [0-9.]+' | paste -sd' ' | sed "s/^/write_first=$first: /"
+  done
   timeout "$(( $(left) - 10 ))" python3 bench/mla_decode.py --batches 1 8 --write-kv --in-order --sweep \
     --splits 8 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 1 2 --json "$OUT/mla_small.json" > "$OUT/mla_small.log" 2>&1
   echo "== mla sweep rc=$?"; cut -c1-700 "$OUT/mla_small.log"
