@@ -65,8 +65,9 @@ if [ "$what" = mla_small ]; then  # the MLA split kernel at 1 and 8 sequences, w
   # bandwidth, the largest single excess at both (run 28's standalone, no KV write: 7.2 / 11.2).
   # The engine's variant (it writes and attends the new token, blocks in order) under ncu, then its
   # launch shapes swept.
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   for b in 1 8; do
-    timeout 150 ncu --clock-control none --kernel-name _mla_decode_split --launch-skip 2 --launch-count 1 \
+    timeout 150 "${ncu:-ncu}" --clock-control none --kernel-name _mla_decode_split --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
       --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters \
       python3 bench/mla_decode.py --batches "$b" --write-kv --in-order > "$OUT/ncu_mla_b$b.txt" 2>&1
