@@ -15,7 +15,7 @@
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|fp8|mla_small|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|fp8|small_rows|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,28 +60,37 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
     --shapes fused_qkv_a q_b o_proj latent_up shared_down --json "$OUT/gemv_256.json" > "$OUT/gemv_256.log" 2>&1
   echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
 fi
-if [ "$what" = mla_small ]; then  # the MLA split kernel at 1 and 8 sequences, where it is latency
-  # Run 58's no-PDL profile: 10.0 / 13.5 us a layer in the engine for 0.3 / 2.2 us of KV at copy
-  # bandwidth, the largest single excess at both (run 28's standalone, no KV write: 7.2 / 11.2).
-  # The engine's variant (it writes and attends the new token, blocks in order) under ncu, then its
-  # launch shapes swept.
+if [ "$what" = small_rows ]; then  # the two kernels furthest over their bytes at 1 and 8 sequences
+  # Run 58's no-PDL profile: the MLA split kernel 10.0 / 13.5 us a layer for 0.3 / 2.2 us of KV at
+  # copy bandwidth (run 28's standalone, no KV write: 7.2 / 11.2), the MoE entry kernel 8.6 us at
+  # 8 rows for ~2.5. First the write-first MLA candidate (mla_decode.write_first) against the
+  # epilogue, standalone; the entry kernel against cuBLAS and its launch shapes at 8 rows; the
+  # MLA launch shapes at 1 and 8 (the engine's variant: writes the new row, blocks in order);
+  # last, ncu on the MLA split kernel at 1 and 8.
+  for first in 0 1; do
+    LATENTSERVE_MLA_WRITE_FIRST=$first timeout 120 python3 bench/mla_decode.py --batches 1 8 64 256 --write-kv \
+      --in-order 2>&1 | grep -oE '"batch": [0-9]+|"ours_us": [0-9.]+' | paste -sd' ' | sed "s/^/write_first=$first: /"
+  done
+  timeout 150 python3 bench/moe_entry.py --rows 1 2 8 16 64 > "$OUT/moe_entry.log" 2>&1
+  echo "== moe_entry rc=$?"; cut -c1-300 "$OUT/moe_entry.log"
+  timeout 200 python3 bench/moe_entry.py --rows 8 --sweep --block-k 128 256 512 --json "$OUT/moe_entry_8.json" \
+    > "$OUT/moe_entry_sweep.log" 2>&1
+  echo "== moe_entry sweep rc=$?"; grep -v "shapes timed" "$OUT/moe_entry_sweep.log" | cut -c1-700
+  timeout "$(( $(left) > 400 ? $(left) - 150 : $(left) / 2 ))" python3 bench/mla_decode.py --batches 1 8 --write-kv \
+    --in-order --sweep --splits 8 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 1 --json "$OUT/mla_small.json" \
+    > "$OUT/mla_small.log" 2>&1
+  echo "== mla sweep rc=$?"; cut -c1-700 "$OUT/mla_small.log"
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   for b in 1 8; do
-    timeout 150 "${ncu:-ncu}" --clock-control none --kernel-name _mla_decode_split --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+    [ "$(left)" -lt 40 ] && break
+    timeout "$(( $(left) / 2 ))" "${ncu:-ncu}" --clock-control none --kernel-name _mla_decode_split --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
       --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters \
       python3 bench/mla_decode.py --batches "$b" --write-kv --in-order > "$OUT/ncu_mla_b$b.txt" 2>&1
     echo "== ncu mla batch $b rc=$?"
     grep -E "Duration|Elapsed Cycles|Registers Per|Eligible Warps|Warp Cycles Per Issued|DRAM Throughput|stalled" \
       "$OUT/ncu_mla_b$b.txt" | cut -c1-200 | head -12
   done
-  for first in 0 1; do  # the write-first candidate (mla_decode.write_first) against the epilogue, standalone
-    LATENTSERVE_MLA_WRITE_FIRST=$first timeout 120 python3 bench/mla_decode.py --batches 1 8 64 256 --write-kv \
-      --in-order 2>&1 | grep -oE '"batch": [0-9]+|"ours_us": [0-9.]+' | paste -sd' ' | sed "s/^/write_first=$first: /"
-  done
-  timeout "$(( $(left) - 10 ))" python3 bench/mla_decode.py --batches 1 8 --write-kv --in-order --sweep \
-    --splits 8 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 1 2 --json "$OUT/mla_small.json" > "$OUT/mla_small.log" 2>&1
-  echo "== mla sweep rc=$?"; cut -c1-700 "$OUT/mla_small.log"
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
   # The K3 candidates against none (the defaults) in one process (bench/gpu.py's K3_CONFIGS): the

@@ -216,7 +216,10 @@ if triton is not None:
                                    True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
 
-    def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None):
+    def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None,
+               cfg=None):
+        """cfg overrides the multi-row launch (BLOCK_N, BLOCK_K, num_warps, num_stages): bench/moe_entry.py's
+        sweep."""
         m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
         latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
@@ -228,15 +231,17 @@ if triton is not None:
         scales = (down_scale, shared_scale) if is_fp8 else (down, shared_gate_up)  # unread without FP8
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if m > 1:
-            bm, bn = gemv.rows_tile(m, True), 16
+            bm = gemv.rows_tile(m, True)
             bk = max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k)))  # gate + up + x: <= 48 KB a stage
+            launch = {"BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3, **(cfg or {})}
+            bn, bk = launch["BLOCK_N"], launch["BLOCK_K"]
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
             _entry_rows_kernel[(triton.cdiv(m, bm), grid)](
                 x, down, shared_gate_up, router, latent, h, logits, *scales, m, k, latent_dim, inter, experts,
                 x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides, float(beta),
-                float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_K=bk, IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), num_warps=4,
-                num_stages=3, **pdl.launch(x.device))
+                float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm,
+                IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), **launch,
+                **pdl.launch(x.device))
             return latent, h, logits
         # As the one-row GEMV since run 39, each program's whole K slice (up to 2048) in one step,
         # all of it requested before the PDL wait (sm_90: 170 registers, no spills): batch 1 0.99x

@@ -72,6 +72,19 @@ def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k):
     check_entry(m, k, act, beta, linear_beta, dtype, m + k, 1e-4)
 
 
+@pytest.mark.parametrize("cfg", [{"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2},
+                                 {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4}])
+def test_entry_rows_launch_shapes_give_the_same_outputs(cfg):
+    """bench/moe_entry.py's sweep overrides the multi-row launch (`_entry`'s cfg): wider output
+    blocks and K steps narrower or wider than K give the default launch's outputs (fp32)."""
+    g = torch.Generator().manual_seed(3)
+    x, down, shared, router = (torch.randn(n, 600, generator=g).to(DEVICE) / 600 ** 0.5 for n in (8, 40, 48, 20))
+    want = moe_entry._entry(x, down, shared, router, "silu", 1.0, None)
+    got = moe_entry._entry(x, down, shared, router, "silu", 1.0, None, cfg=cfg)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_entry_rows_in_a_latent_moe_layer(monkeypatch):
     """Five tokens through a latent MoE layer: the multi-row entry kernel's output equals the
     separate ops' (router, latent down, shared gate/up: LATENTSERVE_MOE_ENTRY_MAX_ROWS=1)."""
