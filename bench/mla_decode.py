@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gemv import L2_SAFE, graph_seconds  # noqa: E402
+from gemv import L2_SAFE, graph_seconds, sweep  # noqa: E402
 from gpu import copy_bandwidth  # noqa: E402
 
 from service.model import mla_decode  # noqa: E402
@@ -97,25 +97,19 @@ def main() -> None:
                "torch_us": t_torch * 1e6, "ours_vs_torch": t_torch / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw,
                "default": default}
         if args.sweep:
-            best, tried = (t_ours, default), []
             prefetch = (False, True) if args.prefetch else (False,)
-            space = itertools.product(args.splits, args.block_n, args.warps, args.stages, prefetch, args.maxnreg)
-            for splits, bn, warps, stages, pf, maxnreg in space:
-                if b * splits > 8192:
-                    continue
-                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PREFETCH_BT": pf,
+            shapes = [{"splits": splits, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PREFETCH_BT": pf,
                        **({"maxnreg": maxnreg} if maxnreg else {})}
-                try:
-                    err = (run(variants[0], splits, cfg) - ref).abs().max().item()
-                    t = graph_seconds(lambda v: run(v, splits, cfg), variants, reps=2)  # noqa: B023
-                except Exception:  # noqa: BLE001 - an unlaunchable shape (shared memory)
-                    continue
-                if err < 1e-2:
-                    tried.append((round(t * 1e6, 2), {"splits": splits, **cfg}))
-                    if t < best[0]:
-                        best = (t, {"splits": splits, **cfg})
-            row.update(best_us=best[0] * 1e6, best=best[1], best_of_copy_bw=nbytes / best[0] / bw,
-                       best_vs_default=t_ours / best[0], fastest=sorted(tried, key=lambda x: x[0])[:6])
+                      for splits, bn, warps, stages, pf, maxnreg in itertools.product(
+                          args.splits, args.block_n, args.warps, args.stages, prefetch, args.maxnreg)
+                      if b * splits <= 8192]
+
+            def launched(v, shape):
+                return run(v, shape["splits"], {k: x for k, x in shape.items() if k != "splits"})
+
+            row.update(sweep(lambda s: graph_seconds(lambda v: launched(v, s), variants, reps=2),  # noqa: B023
+                             lambda s: (launched(variants[0], s) - ref).abs().max().item(),  # noqa: B023
+                             shapes, t_ours, default, nbytes, bw))
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gemv import L2_SAFE, graph_seconds  # noqa: E402
+from gemv import L2_SAFE, graph_seconds, sweep  # noqa: E402
 from gpu import copy_bandwidth  # noqa: E402
 
 from service.model import moe_entry  # noqa: E402
@@ -81,22 +81,11 @@ def main() -> None:
                "ours_vs_cublas": t_cublas / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw,
                "err_vs_cublas": error(ref, cublas(variants[0]))}
         if args.sweep and m >= 2:
-            best, tried = (t_ours, "default"), []
-            space = itertools.product(args.block_n, args.block_k, args.warps, args.stages)
-            for i, (bn, bk, warps, stages) in enumerate(space):
-                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-                try:
-                    err = error(run(variants[0], cfg), ref)
-                    t = graph_seconds(lambda v: run(v, cfg), variants, reps=2)  # noqa: B023
-                except Exception:  # noqa: BLE001 - an unlaunchable shape (shared memory)
-                    continue
-                if err < 1e-2:
-                    tried.append((round(t * 1e6, 2), cfg))
-                    best = min(best, (t, cfg), key=lambda b: b[0])
-                if i % 12 == 11:
-                    print(f"  rows {m}: {i + 1} shapes timed", flush=True)
-            row.update(best_us=best[0] * 1e6, best=best[1], best_of_copy_bw=nbytes / best[0] / bw,
-                       best_vs_default=t_ours / best[0], fastest=sorted(tried, key=lambda x: x[0])[:6])
+            shapes = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+                      for bn, bk, warps, stages in itertools.product(args.block_n, args.block_k, args.warps, args.stages)]
+            row.update(sweep(lambda s: graph_seconds(lambda v: run(v, s), variants, reps=2),  # noqa: B023
+                             lambda s: error(run(variants[0], s), ref),  # noqa: B023
+                             shapes, t_ours, "default", nbytes, bw))
         print(json.dumps(row), flush=True)
         rows_out.append(row)
     if args.json:
