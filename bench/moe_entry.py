@@ -81,8 +81,9 @@ def main() -> None:
                "ours_vs_cublas": t_cublas / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw,
                "err_vs_cublas": error(ref, cublas(variants[0]))}
         if args.sweep and m >= 2:
+            space = itertools.product(args.block_n, args.block_k, args.warps, args.stages)
             shapes = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-                      for bn, bk, warps, stages in itertools.product(args.block_n, args.block_k, args.warps, args.stages)]
+                      for bn, bk, warps, stages in space]
             row.update(sweep(lambda s: graph_seconds(lambda v: run(v, s), variants, reps=2),  # noqa: B023
                              lambda s: error(run(variants[0], s), ref),  # noqa: B023
                              shapes, t_ours, "default", nbytes, bw))

@@ -335,11 +335,13 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0,
         cos.stride(0), h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        NUM_SPLITS=splits, WRITE_KV=(2 if write_first() else 1) if write else 0, IEEE=ieee, ROPE=0 if rope is None else 2 if rope[2] else 1,
-        **launch, **pdl.launch(q_lat.device),
+        NUM_SPLITS=splits, WRITE_KV=(2 if write_first() else 1) if write else 0, IEEE=ieee,
+        ROPE=0 if rope is None else 2 if rope[2] else 1, **launch, **pdl.launch(q_lat.device),
     )
     if w_uv is not None:
-        return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv) if splits == 1 else mla_merge.merge_out(o, lse, w_uv)
+        if splits == 1:
+            return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv)
+        return mla_merge.merge_out(o, lse, w_uv)
     return o[:, 0] if splits == 1 else mla_merge.merge(o, lse)
 
 

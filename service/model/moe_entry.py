@@ -232,8 +232,9 @@ if triton is not None:
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if m > 1:
             bm = gemv.rows_tile(m, True)
-            bk = max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k)))  # gate + up + x: <= 48 KB a stage
-            launch = {"BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3, **(cfg or {})}
+            launch = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
+                      # gate + up + x: <= 48 KB a stage
+                      "BLOCK_K": max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k))), **(cfg or {})}
             bn, bk = launch["BLOCK_N"], launch["BLOCK_K"]
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
             _entry_rows_kernel[(triton.cdiv(m, bm), grid)](

@@ -86,13 +86,13 @@ CANDIDATES = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1",
 # The compiled layer had handed it a misplaced copy of its state (kda_step._outside_compile, run 57).
 # The other three passed alone (run 56); since the fix all four pass, with PDL and without (run 57).
 BUILDS = {"defaults": {}, "candidates": CANDIDATES, "kda_step": {"LATENTSERVE_KDA_DECODE_STEP": "1"}}
-CASES = [("float32", 1e-3, 1e-3, build) for build in BUILDS] + [("bfloat16", 1e-2, 0.5, b) for b in ("defaults", "candidates")]
+CASES = ([("float32", 1e-3, 1e-3, build) for build in BUILDS]
+         + [("bfloat16", 1e-2, 0.5, build) for build in ("defaults", "candidates")])
 
 
 def switch(monkeypatch, build: str) -> None:
     for name in CANDIDATES:
         monkeypatch.setenv(name, BUILDS[build].get(name, "0"))
-    monkeypatch.setenv("LATENTSERVE_PDL", BUILDS[build].get("LATENTSERVE_PDL", "1"))
 
 
 def test_k3_candidates_eager_match_the_defaults(eager_fp32, monkeypatch):
