@@ -327,19 +327,20 @@ def bench_k3(args, bw: float) -> None:
 # Kimi-K3's decode candidates, timed in one process against `none` (the defaults): each build
 # after the first finds Inductor's and Triton's caches warm, where a process each recompiled cold
 # (run 48: `none`, first, ran out of a quarter of the call).
-K3_STEP = {"LATENTSERVE_KDA_DECODE_STEP": "1", "LATENTSERVE_GEMV_MULTI": "1"}
-K3_CONFIGS = {"none": {}, "step_multi": K3_STEP,
-              # the step kernel alone against `none`: the ratio that decides it as K3's default
-              "step": {"LATENTSERVE_KDA_DECODE_STEP": "1"},
+K3_KERNELS = ("LATENTSERVE_KDA_DECODE_STEP", "LATENTSERVE_GEMV_MULTI", "LATENTSERVE_ATTN_RES_KERNEL",
+              "LATENTSERVE_MLA_GATE_IN_KERNEL")
+K3_CONFIGS = {"none": {},
+              # the path before run 60 made K3's four decode kernels the defaults (run 60: `all`, these
+              # four, 0.71x / 0.75x / 0.80x of it at batch 1 / 8 / 64): FLA's recurrent kernel, a
+              # launch a projection, the attention-residual mixes and MLA's gate as torch chains
+              "fla": {name: "0" for name in K3_KERNELS},
               # the step kernel's state in 64-column blocks on 8 warps up to 8 sequences (kda_step.block_cols)
-              "step_wide": {**K3_STEP, "LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS": "8"},
+              "step_wide": {"LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS": "8"},
               # a head's columns over four programs up to 8 sequences (kda_step.split_max_rows)
-              "step_split": {**K3_STEP, "LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS": "8"},
-              "all": {**K3_STEP, "LATENTSERVE_ATTN_RES_KERNEL": "1", "LATENTSERVE_MLA_GATE_IN_KERNEL": "1"},
-              "conv_multi": {"LATENTSERVE_KDA_DECODE_CONV": "1", "LATENTSERVE_GEMV_MULTI": "1"},
+              "step_split": {"LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS": "8"},
               # Under PDL a kernel's profiled time includes its wait for the one before (run 48: the
               # GEMVs' total rose 308 -> 422 us at batch 1 behind the step kernel); without, each its own.
-              "step_no_pdl": {**K3_STEP, "LATENTSERVE_PDL": "0"}}
+              "no_pdl": {"LATENTSERVE_PDL": "0"}}
 
 
 def bench_k3_graphs(args, bw: float) -> None:

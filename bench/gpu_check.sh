@@ -93,19 +93,13 @@ if [ "$what" = small_rows ]; then  # the two kernels furthest over their bytes a
   done
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
-  # The K3 candidates against none (the defaults) in one process (bench/gpu.py's K3_CONFIGS): the
-  # builds after the first find the compile caches warm. Run 48 ran a process each, and the cold
-  # first (`none`) ran out of its quarter of the call. `step`: the KDA step kernel alone, the
-  # ratio that decides it as K3's default (its gate passes since run 57). `step_multi`: the KDA
-  # step as one kernel (no FLA) and the input projections as one launch (run 48: 0.93-0.96x of
-  # `conv_multi`); `step_wide`:
-  # its state in 64-column blocks on 8 warps up to 8 sequences; `step_split`: a head's columns
-  # over four programs up to 8 sequences, the last to arrive norming the row; `all`: `step_multi` plus the
-  # attention-residual mixes as one kernel each and MLA's output gate in W_UV's kernel; last,
-  # `step_multi` without PDL, whose profile gives each kernel its own time.
+  # Candidates against none (the defaults) in one process (bench/gpu.py's K3_CONFIGS): the builds
+  # after the first find the compile caches warm. `fla`: the path before run 60 made K3's four
+  # decode kernels the defaults; `step_wide`, `step_split`: the step kernel's launch shapes up to 8
+  # sequences (run 60: within noise of the default); last, `no_pdl`, whose profile gives each kernel its own time.
   timeout 60 python3 bench/alias_probe.py cuda 2>&1 | grep alias_probe  # the step kernel's fix's cause
   timeout "$(( $(left) - 10 ))" python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail \
-    --batches 1,8,64 --profile-batches 1,64 --k3-configs none,step,step_multi,all,step_wide,step_split,step_no_pdl --json "$OUT/k3graphs.json" \
+    --batches 1,8,64 --profile-batches 1,64 --k3-configs none,fla,step_wide,step_split,no_pdl --json "$OUT/k3graphs.json" \
     > "$OUT/k3graphs.log" 2>&1
   echo "== k3graphs rc=$?"
   grep -E "k3-small|capture_failed|Error|^ +_|^ +triton|nvjet" "$OUT/k3graphs.log" | cut -c1-300 | head -80

@@ -70,6 +70,7 @@ def test_layers_mix_through_the_kernel_when_switched_on(monkeypatch, spy):
     with torch.no_grad():
         norm.weight.copy_(norm_w.cpu()), out_norm.weight.copy_(out_w.cpu()), proj.weight.copy_(proj_w.cpu())
     norm, out_norm, proj = norm.to(DEVICE), out_norm.to(DEVICE), proj.to(DEVICE)
+    monkeypatch.setenv("LATENTSERVE_ATTN_RES_KERNEL", "0")  # the torch chain
     ref = attn_res.attn_res_mix(prefix, d, bank.clone(), 2, norm, proj, out_norm)
     monkeypatch.setenv("LATENTSERVE_ATTN_RES_KERNEL", "1")
     calls = spy(attn_res, "mix_kernel")

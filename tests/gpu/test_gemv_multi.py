@@ -41,8 +41,9 @@ def test_multi_equals_each_projection(dtype, m, widths, k, monkeypatch):
 def test_supported_needs_the_switch_and_gemv_shapes(monkeypatch):
     x = torch.randn(1, 64).to(DEVICE)
     ws = [torch.randn(32, 64).to(DEVICE) for _ in range(3)]
-    assert not gemv_multi.supported(x, ws)  # off by default until timed
-    monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "1")
+    monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "0")
+    assert not gemv_multi.supported(x, ws)  # switched off
+    monkeypatch.delenv("LATENTSERVE_GEMV_MULTI")  # on by default since run 60
     assert gemv_multi.supported(x, ws)
     assert not gemv_multi.supported(x, ws[:1])  # one weight is a plain gemv
     assert not gemv_multi.supported(x, ws * 3)  # more than MAX_SEGMENTS
@@ -78,6 +79,8 @@ def test_kda_layer_reads_its_input_in_one_launch(preset, tokens, monkeypatch, sp
         return KDAState(**{k: torch.randn((tokens + 2, *shape), generator=gs).to(DEVICE, dt)
                            for k, (shape, dt) in kda_state_shapes(cfg, 1).items()})
 
+    monkeypatch.setenv("LATENTSERVE_KDA_DECODE_STEP", "0")  # the projections alone, not inside the step kernel's path
+    monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "0")
     with torch.no_grad():
         ref_state, got_state = state(), state()
         ref = layer(x, meta, ref_state)
@@ -107,6 +110,7 @@ def test_mla_layer_reads_its_down_projection_and_gate_in_one_launch(tokens, monk
     attn = attn.to(DEVICE).eval()
     x = torch.randn(tokens, cfg.hidden_size, generator=g).to(DEVICE)
     no_rope = torch.empty(tokens, 8, device=DEVICE)  # NoPE: never read
+    monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "0")
     with torch.no_grad():
         (q_ref, lat_ref), gate_ref = attn.project(x, no_rope, no_rope)
         monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "1")

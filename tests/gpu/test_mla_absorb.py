@@ -325,6 +325,7 @@ def test_attention_decode_gates_in_w_uv_kernel(monkeypatch, merge_out):
     absorb_out, gated = torch.ops.latentserve.mla_absorb_out, []
     monkeypatch.setattr(torch.ops.latentserve, "mla_absorb_out",
                         lambda o, w, gate=None: gated.append(gate is not None) or absorb_out(o, w, gate))
+    monkeypatch.setenv("LATENTSERVE_MLA_GATE_IN_KERNEL", "0")
     with torch.no_grad():
         theirs_cache = cache.clone()
         theirs = attn(x, cos, sin, meta, theirs_cache)
