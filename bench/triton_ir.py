@@ -77,13 +77,12 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 5])
     ap.add_argument("--write-kv", action="store_true", help="the engine's variant: writes the new token")
-    ap.add_argument("--write-first", action="store_true", help="with --write-kv: the row written before the loop")
     ap.add_argument("--prefetch", action="store_true", help="also PREFETCH_BT (next tile's block table a step ahead)")
     ap.add_argument("--maxnreg", type=int, help="cap registers a thread (ptx .maxnreg)")
     args = ap.parse_args()
     for bn, warps, stages, pf in itertools.product(args.block_n, args.warps, args.stages,
                                                   (False, True) if args.prefetch else (False,)):
-        k = compile_split(bn, warps, stages, (2 if args.write_first else 1) if args.write_kv else 0, pf, args.maxnreg)
+        k = compile_split(bn, warps, stages, int(args.write_kv), pf, args.maxnreg)
         ttgir = k.asm["ttgir"]
         kv = re.search(r"memdesc<(\d+)x\d+x512x", ttgir)
         regs, spill = registers(k.asm["ptx"])

@@ -46,15 +46,6 @@ BLOCK_H = 16  # tl.dot needs at least 16 rows; fewer heads are masked
 MAX_SPLITS, MIN_SPLITS, SPLIT_PROGRAMS, ONE_SPLIT_PROGRAMS = 32, 4, 128, 256
 
 
-def write_first() -> bool:
-    """LATENTSERVE_MLA_WRITE_FIRST=1 (a candidate): the kernel writes the step's new KV row before its
-    tile loop and reads it back with the tiles (`_mla_decode_split`'s WRITE_KV=2). Run 58: the split
-    kernel takes 10.0 us a layer at one sequence where run 28's kernel without the write took 7.2
-    standalone; sm_90 SASS, 8 warps, one 32-token tile: 1584 instructions with the epilogue, 1216
-    with the row written first, 1176 with no write."""
-    return os.environ.get("LATENTSERVE_MLA_WRITE_FIRST", "0") == "1"
-
-
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """The kernel runs when Triton can (CUDA, or the interpreter on CPU) and the latent and rope
     widths are powers of two >= 16 (tl.dot and tl.arange need both)."""
@@ -119,7 +110,7 @@ if triton is not None:
         start = split * per_split
         end = tl.minimum(start + per_split, ctx)
         owns_new = (start <= ctx - 1) & (ctx - 1 < end)
-        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV == 1 else end
+        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV else end
         return ctx, start, loop_end, owns_new
 
     @triton.jit
@@ -129,13 +120,6 @@ if triton is not None:
         k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
         k_pe = tl.load(kv_ptr + slot[:, None] * stride_slot + D_LAT + d_pe[None, :], mask=nmask[:, None], other=0.0)
         return k_lat, k_pe
-
-    @triton.jit
-    def _write_new(kv_ptr, new_ptr, new_slot_ptr, b, stride_slot, stride_new, d_lat, d_pe, D_LAT: tl.constexpr):
-        """Sequence b's new row [c_kv | k_pe] into its cache slot."""
-        slot = kv_ptr + tl.load(new_slot_ptr + b).to(tl.int64) * stride_slot
-        tl.store(slot + d_lat, tl.load(new_ptr + b * stride_new + d_lat))
-        tl.store(slot + D_LAT + d_pe, tl.load(new_ptr + b * stride_new + D_LAT + d_pe))
 
     @triton.jit
     def _query_pe(qpe_ptr, cos_ptr, sin_ptr, b, heads, hmask, stride_pb, stride_ph, stride_cs,
@@ -195,12 +179,12 @@ if triton is not None:
                           WRITE_KV: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr,
                           ROPE: tl.constexpr = 0):
         """WRITE_KV: the sequence's new token (row b of new_ptr, not yet in the cache) goes to its
-        slot in this kernel, which needs no launch of its own. 1: the one split whose range holds
-        its position attends it from registers after the loop, which stops before it, and head
-        block 0 writes it (substituting the row inside the pipelined tile loads cost 36 KB more
-        shared memory a program, compiled for sm_90). 2 (`write_first`): every head block of that
-        split writes it before the loop (the same bytes), then a barrier, and the loop reads it
-        from the cache with the rest: no epilogue, ~400 fewer instructions on the critical path.
+        slot in this kernel, which needs no launch of its own: the one split whose range holds its
+        position attends it from registers after the loop, which stops before it, and head block 0
+        writes it (substituting the row inside the pipelined tile loads cost 36 KB more shared
+        memory a program, compiled for sm_90). Writing it before the loop and reading it back with
+        the tiles cut ~370 of 1584 SASS instructions at one sequence but no time (runs 60, 62:
+        1.01x / 1.00x steps at 1 / 8 sequences, standalone 8.18 -> 7.94 us at 1, H100), so it went.
         PREFETCH_BT: each step loads the next tile's block-table entries, so the KV tile's address
         comes from the step before and Triton's pipeline gives the KV tile num_stages - 1 buffers
         (one at 2-4 stages otherwise: the block-table load took the first stages)."""
@@ -211,10 +195,6 @@ if triton is not None:
         d_pe = tl.arange(0, D_PE)
         pdl.enter(PDL)
         ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
-        if WRITE_KV == 2:
-            if owns_new:
-                _write_new(kv_ptr, new_ptr, new_slot_ptr, b, stride_slot, stride_new, d_lat, d_pe, D_LAT)
-            tl.debug_barrier()  # bar.sync: the row's bytes, stored by other threads, before any tile load
 
         heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < num_heads
@@ -238,7 +218,7 @@ if triton is not None:
             k_lat, k_pe = _kv_tile(kv_ptr, blk, offs, nmask, stride_slot, d_lat, d_pe, BLOCK_SIZE, D_LAT)
             m_i, l_i, acc = _attend(q_lat, q_pe, k_lat, k_pe, nmask, m_i, l_i, acc, scale, IEEE)
 
-        if WRITE_KV == 1:
+        if WRITE_KV:
             if owns_new:  # one more position: the new token, from registers
                 new_lat = tl.load(new_ptr + b * stride_new + d_lat)
                 new_pe = tl.load(new_ptr + b * stride_new + D_LAT + d_pe)
@@ -335,7 +315,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0,
         cos.stride(0), h, scale,
         BLOCK_SIZE=block_size, D_LAT=kv_lora_rank, D_PE=d - kv_lora_rank, BLOCK_H=BLOCK_H,
-        NUM_SPLITS=splits, WRITE_KV=(2 if write_first() else 1) if write else 0, IEEE=ieee,
+        NUM_SPLITS=splits, WRITE_KV=int(write), IEEE=ieee,
         ROPE=0 if rope is None else 2 if rope[2] else 1, **launch, **pdl.launch(q_lat.device),
     )
     if w_uv is not None:

@@ -230,12 +230,9 @@ def test_decode_writes_the_new_token_and_attends_it(splits):
     assert torch.equal(flat[others].nan_to_num(7.0), before.view(-1, lora + rope)[others].nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("first", ["0", "1"], ids=["write_after", "write_first"])
-def test_attention_decode_writes_kv_in_the_kernel(monkeypatch, first):
+def test_attention_decode_writes_kv_in_the_kernel(monkeypatch):
     """MLAAttention.forward on a step of decodes: the kernel's own KV write (the new row attended
-    after the tile loop, or written before it: LATENTSERVE_MLA_WRITE_FIRST) equals write_kv's
-    (LATENTSERVE_MLA_WRITE_KV=0) in output and cache."""
-    monkeypatch.setenv("LATENTSERVE_MLA_WRITE_FIRST", first)
+    after the tile loop) equals write_kv's (LATENTSERVE_MLA_WRITE_KV=0) in output and cache."""
     attn, cfg = attention_layer()
     meta, cache, x, cos, sin = decode_step(cfg)
     assert attn._decode_writes_kv(torch.empty(3, 8, 48, device=DEVICE), cache, meta)

@@ -88,21 +88,19 @@ def test_split_count_depends_on_batch_only():
     assert counts == {32, 16, 8, 4, 1}, counts
 
 
-# (writes the new token, LATENTSERVE_MLA_WRITE_FIRST, heads): 20 heads are two head blocks, which
-# the write-first kernel has both write the row (the same bytes) before each reads it back.
-WRITES = [(False, "0", 16), (True, "0", 16), (True, "1", 16), (True, "1", 20)]
+# (writes the new token, heads): 20 heads are two head blocks, of which only the first writes the row.
+WRITES = [(False, 16), (True, 16), (True, 20)]
 
 
-@pytest.mark.parametrize("write,first,heads", WRITES, ids=["read", "write_after", "write_first", "write_first_20h"])
+@pytest.mark.parametrize("write,heads", WRITES, ids=["read", "write", "write_20h"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_launch_variants_match_reference(dtype, tol, write, first, heads, monkeypatch):
+def test_launch_variants_match_reference(dtype, tol, write, heads):
     """The prefetching launches (next tile's block-table entries loaded a step ahead: the
     default's 32-token tiles at 3 stages and 16-token tiles at 4) and the few-program one,
     reading the cache and writing each sequence's new token itself (attended after the tile
-    loop, or written before it and read back), over contexts that end mid-tile, with one split,
+    loop), over contexts that end mid-tile, with one split,
     four and sixteen (empty splits included)."""
     skip_interpreted_16bit_dot(dtype)
-    monkeypatch.setenv("LATENTSERVE_MLA_WRITE_FIRST", first)
     lora, rope, block_size, batch = 64, 16, 16, 5
     q, kv, tables, ctx, ctx_list = case(11, batch, heads, lora, rope, block_size, dtype, 90)
     scale = (lora + rope) ** -0.5
