@@ -330,7 +330,7 @@ def bench_k3(args, bw: float) -> None:
 K3_KERNELS = ("LATENTSERVE_KDA_DECODE_STEP", "LATENTSERVE_GEMV_MULTI", "LATENTSERVE_ATTN_RES_KERNEL",
               "LATENTSERVE_MLA_GATE_IN_KERNEL")
 K3_CONFIGS = {"none": {},
-              # the path before run 60 made K3's four decode kernels the defaults (run 60: `all`, these
+              # the path before run 61 made K3's four decode kernels the defaults (run 61: `all`, these
               # four, 0.71x / 0.75x / 0.80x of it at batch 1 / 8 / 64): FLA's recurrent kernel, a
               # launch a projection, the attention-residual mixes and MLA's gate as torch chains
               "fla": {name: "0" for name in K3_KERNELS},
@@ -465,11 +465,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"},
              "torch_grouped": {"LATENTSERVE_MOE_GROUPED": "torch"}, "cublas_gemv": {"LATENTSERVE_GEMV_MAX_ROWS": "0"},
              "separate_moe_entry": {"LATENTSERVE_MOE_ENTRY": "0"}, "no_pdl": {"LATENTSERVE_PDL": "0"},
+             # The MoE entry kernel's 2-16 rows as 32 outputs a program at 4 stages (run 62's sweep at 8
+             # rows: 1.09x standalone, ~0.5% of batch 8's step predicted; moe_entry._rows_launch).
+             "entry_wide_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
-             # The split kernel writes the new KV row before its tile loop and reads it back with the
-             # tiles, no epilogue (mla_decode.write_first; a candidate after run 58's profile).
-             "mla_write_first": {"LATENTSERVE_MLA_WRITE_FIRST": "1"},
              # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).
              "mla_no_prefetch": {"LATENTSERVE_MLA_PREFETCH": "0"},
              # The MoE entry kernel at one row only, separate launches from 2 rows (the default before

@@ -41,7 +41,7 @@ commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ech
 if { [ "$what" = bench ] || [ "$what" = all ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines same_build,mla_write_first,separate_kv_write,no_pdl \
+    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines same_build,entry_wide_n,no_pdl \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
@@ -62,22 +62,17 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
 fi
 if [ "$what" = small_rows ]; then  # the two kernels furthest over their bytes at 1 and 8 sequences
   # Run 58's no-PDL profile: the MLA split kernel 10.0 / 13.5 us a layer for 0.3 / 2.2 us of KV at
-  # copy bandwidth (run 28's standalone, no KV write: 7.2 / 11.2), the MoE entry kernel 8.6 us at
-  # 8 rows for ~2.5. First the write-first MLA candidate (mla_decode.write_first) against the
-  # epilogue, standalone; the entry kernel against cuBLAS and its launch shapes at 8 rows; the
-  # MLA launch shapes at 1 and 8 (the engine's variant: writes the new row, blocks in order);
-  # last, ncu on the MLA split kernel at 1 and 8.
-  for first in 0 1; do
-    LATENTSERVE_MLA_WRITE_FIRST=$first timeout 120 python3 bench/mla_decode.py --batches 1 8 64 256 --write-kv \
-      --in-order 2>&1 | grep -oE '"batch": [0-9]+|"ours_us": [0-9.]+' | paste -sd' ' | sed "s/^/write_first=$first: /"
-  done
+  # copy bandwidth, the MoE entry kernel 8.6 us at 8 rows for ~2.5. The entry kernel against cuBLAS
+  # and its launch shapes at 2, 8 and 16 rows (run 62 swept 8 only); the MLA launch shapes at 1 and
+  # 8 (the engine's variant: writes the new row, blocks in order), 16 warps too (sm_90, 32-token
+  # tiles: 128 registers, no spills); last, ncu on the MLA split kernel at 1 and 8.
   timeout 150 python3 bench/moe_entry.py --rows 1 2 8 16 64 > "$OUT/moe_entry.log" 2>&1
   echo "== moe_entry rc=$?"; cut -c1-300 "$OUT/moe_entry.log"
-  timeout 200 python3 bench/moe_entry.py --rows 8 --sweep --block-k 128 256 512 --json "$OUT/moe_entry_8.json" \
+  timeout 200 python3 bench/moe_entry.py --rows 2 8 16 --sweep --block-k 128 256 512 --json "$OUT/moe_entry_8.json" \
     > "$OUT/moe_entry_sweep.log" 2>&1
   echo "== moe_entry sweep rc=$?"; grep -v "shapes timed" "$OUT/moe_entry_sweep.log" | cut -c1-700
   timeout "$(( $(left) > 400 ? $(left) - 150 : $(left) / 2 ))" python3 bench/mla_decode.py --batches 1 8 --write-kv \
-    --in-order --sweep --splits 8 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 1 --json "$OUT/mla_small.json" \
+    --in-order --sweep --splits 8 16 32 64 --block-n 16 32 64 --warps 4 8 16 --stages 1 --json "$OUT/mla_small.json" \
     > "$OUT/mla_small.log" 2>&1
   echo "== mla sweep rc=$?"; cut -c1-700 "$OUT/mla_small.log"
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -94,9 +89,9 @@ if [ "$what" = small_rows ]; then  # the two kernels furthest over their bytes a
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
   # Candidates against none (the defaults) in one process (bench/gpu.py's K3_CONFIGS): the builds
-  # after the first find the compile caches warm. `fla`: the path before run 60 made K3's four
+  # after the first find the compile caches warm. `fla`: the path before run 61 made K3's four
   # decode kernels the defaults; `step_wide`, `step_split`: the step kernel's launch shapes up to 8
-  # sequences (run 60: within noise of the default); last, `no_pdl`, whose profile gives each kernel its own time.
+  # sequences (run 61: within noise of the default); last, `no_pdl`, whose profile gives each kernel its own time.
   timeout 60 python3 bench/alias_probe.py cuda 2>&1 | grep alias_probe  # the step kernel's fix's cause
   timeout "$(( $(left) - 10 ))" python3 bench/gpu.py --commit "$commit" --skip decode,hf,sleep,fp8,k3,prefill,tail \
     --batches 1,8,64 --profile-batches 1,64 --k3-configs none,fla,step_wide,step_split,no_pdl --json "$OUT/k3graphs.json" \

@@ -124,7 +124,7 @@ class MLAAttention(nn.Module):
 
     def _gate_in_decode(self, rows: int) -> bool:
         """On the absorbed kernels, Kimi's output gate is applied in W_UV's kernel (`absorb_out`'s
-        epilogue, sigmoid included) instead of a kernel before o_proj (on by default since run 60;
+        epilogue, sigmoid included) instead of a kernel before o_proj (on by default since run 61;
         LATENTSERVE_MLA_GATE_IN_KERNEL=0 turns it off; not where merge_out runs W_UV)."""
         return (self.g_proj is not None and os.environ.get("LATENTSERVE_MLA_GATE_IN_KERNEL", "1") == "1"
                 and rows > mla_merge.merge_out_max_rows())

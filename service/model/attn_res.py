@@ -28,7 +28,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 def kernel_enabled(x: torch.Tensor) -> bool:
     """The mix as one Triton kernel (`mix_kernel`) on CUDA, on by default (LATENTSERVE_ATTN_RES_KERNEL=0:
-    the compiled torch chain, Inductor's kernels and the bank write, twice a layer). Run 60 (H100):
+    the compiled torch chain, Inductor's kernels and the bank write, twice a layer). Run 61 (H100):
     with MLA's gate in W_UV's kernel, K3's decode step 0.85x / 0.88x / 0.92x of the chain's."""
     return (os.environ.get("LATENTSERVE_ATTN_RES_KERNEL", "1") == "1" and triton is not None
             and (x.is_cuda or INTERPRET) and x.dim() == 2 and x.stride(-1) == 1)

@@ -31,7 +31,7 @@ GUARD = KernelGuard("gemv_multi")
 
 
 def enabled() -> bool:
-    """On by default (LATENTSERVE_GEMV_MULTI=0: a launch per projection). Run 60 (H100), with the
+    """On by default (LATENTSERVE_GEMV_MULTI=0: a launch per projection). Run 61 (H100), with the
     KDA step kernel: K3's decode step 0.93x / 0.94x / 0.97x of the step kernel alone at 1 / 8 / 64."""
     return os.environ.get("LATENTSERVE_GEMV_MULTI", "1") == "1"
 

@@ -43,7 +43,7 @@ BV = 32
 
 def enabled() -> bool:
     """On by default (LATENTSERVE_KDA_DECODE_STEP=0: FLA's recurrent kernel and the torch chain
-    around it). Run 60 (H100): K3's decode step 0.90x / 0.91x / 0.90x of FLA's at batch 1 / 8 / 64."""
+    around it). Run 61 (H100): K3's decode step 0.90x / 0.91x / 0.90x of FLA's at batch 1 / 8 / 64."""
     return os.environ.get("LATENTSERVE_KDA_DECODE_STEP", "1") == "1"
 
 

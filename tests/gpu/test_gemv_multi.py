@@ -43,7 +43,7 @@ def test_supported_needs_the_switch_and_gemv_shapes(monkeypatch):
     ws = [torch.randn(32, 64).to(DEVICE) for _ in range(3)]
     monkeypatch.setenv("LATENTSERVE_GEMV_MULTI", "0")
     assert not gemv_multi.supported(x, ws)  # switched off
-    monkeypatch.delenv("LATENTSERVE_GEMV_MULTI")  # on by default since run 60
+    monkeypatch.delenv("LATENTSERVE_GEMV_MULTI")  # on by default since run 61
     assert gemv_multi.supported(x, ws)
     assert not gemv_multi.supported(x, ws[:1])  # one weight is a plain gemv
     assert not gemv_multi.supported(x, ws * 3)  # more than MAX_SEGMENTS
