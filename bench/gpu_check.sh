@@ -108,7 +108,7 @@ if [ "$what" = fp8 ]; then  # FP8 decode against bf16 and against its wide-tile 
   group fp8_tests "$(left)" tests/gpu/test_fp8.py tests/gpu/test_moe_entry.py -k "linear or w8a8 or fp8"
 fi
 if [ "$what" = k3_tests ]; then
-  group k3_tests "$(left)" tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
+  group k3_tests "$(left)" tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # 300 s: run 37 (2026-12-04) took 149 s for four of these files alone on a cold machine; run 44
@@ -122,6 +122,6 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   group comm 60 tests/gpu/test_device_comm.py
   group tp 150 tests/gpu/test_tp_graphs.py
   group engine 200 tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py
-  group k3 300 tests/gpu/test_k3_graphs_cuda.py
+  group k3 300 tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py
   grep -h -E "capture_failed|capture_recompile|FAILED" "$OUT"/*.txt | cut -c1-300 | head -20
 fi
