@@ -468,6 +468,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The MoE entry kernel's 2-16 rows as 32 outputs a program at 4 stages (run 62's sweep at 8
              # rows: 1.09x standalone, ~0.5% of batch 8's step predicted; moe_entry._rows_launch).
              "entry_wide_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
+             # Gate/up's programs lay out their own row blocks from the router's ids, no align launch
+             # (moe_grouped.align_in_max_pairs): batch 8 of `small` 21 -> 20 kernels a layer, predicted
+             # 0.98-0.99x; 512 pairs takes batch 64 too, every program reading 512 ids.
+             "align_in": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "128"},
+             "align_in_512": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "512"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
              # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).

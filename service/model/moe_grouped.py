@@ -6,6 +6,8 @@ and prefill): four kernels, no host sync, no atomics, no torch sort (issue 12).
    expert, pair order kept within an expert, padding rows = M*k), the expert of each BLOCK_M
    block and the number of blocks used. It replaces the torch path's argsort (9% of a batch-64
    step on the H200, bench/RESULTS.md), counts, cumsum and gathers.
+   Up to `align_in_max_pairs` pairs (a candidate), gate/up's programs lay out their own blocks
+   instead (`_block_rows`), and the align kernel is not launched.
 2. `_gate_up_kernel`: one program per (row block, N block): the block's token rows of x
    (gathered through sorted_pairs) against the expert's gate and up tiles of w13 on tensor
    cores, fp32 accumulation, the gated activation (SiLU or Kimi's SiTU) in the epilogue.
@@ -99,6 +101,15 @@ def config(tokens: int, top_k: int, num_experts: int) -> dict:
     return cfg
 
 
+def align_in_max_pairs() -> int:
+    """LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS (a candidate; 0: off): up to this many (token, slot) pairs,
+    each gate/up program finds its row block's expert and pairs from the router's ids itself
+    (`_block_rows`, what `_align_kernel` writes for that block) and the align kernel is not
+    launched: one kernel a layer fewer where the grouped GEMM runs (`small` at batch 8: 21 -> 20).
+    Every program reads all the ids, so it is for few pairs: 128 is 16 tokens at top 8."""
+    return int(os.environ.get("LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS", "0"))
+
+
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Blocks of the worst routing: every pair, plus a partial block per expert that got any."""
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
@@ -146,21 +157,54 @@ if triton is not None:
 
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, used_ptr, h_ptr, num_pairs, width, shard,
-                        stride_x, stride_we, stride_wn, stride_h, beta, linear_beta,
+    def _block_rows(ids_ptr, num_pairs, b, BINS: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
+        """Row block b of the expert-grouped order from all num_pairs (<= PAIRS) router ids: (blocks
+        used, b's expert, b's pairs [BLOCK_M] with num_pairs on padding rows), as _align_kernel
+        lays them out. b's expert is the first whose blocks end past b; its pairs are that
+        expert's pairs of rank (b - its first block) * BLOCK_M + j, ranks in pair order."""
+        p = tl.arange(0, PAIRS)
+        pvalid = p < num_pairs
+        ids = tl.load(ids_ptr + p, mask=pvalid, other=-1).to(tl.int32)
+        blocks = (tl.histogram(tl.where(pvalid, ids, 0), BINS, mask=pvalid) + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)
+        expert = tl.sum((ends <= b).to(tl.int32), 0)
+        first = tl.sum(tl.where(tl.arange(0, BINS) < expert, blocks, 0), 0)
+        hit = (ids == expert).to(tl.int32)
+        rank = tl.cumsum(hit, 0) - hit
+        j = (b - first) * BLOCK_M + tl.arange(0, BLOCK_M)
+        match = (hit[None, :] != 0) & (rank[None, :] == j[:, None])
+        pair = tl.sum(tl.where(match, p[None, :], 0), 1)
+        pair = tl.where(tl.sum(match.to(tl.int32), 1) > 0, pair, num_pairs)
+        return tl.sum(blocks, 0), expert, pair
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, h_ptr, num_pairs, width,
+                        shard, stride_x, stride_we, stride_wn, stride_h, beta, linear_beta,
                         TOP_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr, IEEE: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, ALIGN_PAIRS: tl.constexpr = 0, BINS: tl.constexpr = 32):
         """Program (row block, N block): h[rows, n] = act(x[tokens] @ gate[e, n]^T, x[tokens] @ up[e, n]^T),
-        rows in sorted (expert-grouped) order."""
+        rows in sorted (expert-grouped) order. ALIGN_PAIRS (`align_in_max_pairs`): the block's
+        rows from the ids here, which the programs of N block 0 write for the down kernel."""
         pdl.enter(PDL)
         b = tl.program_id(0)
-        if b >= tl.load(used_ptr):
-            return
-        expert = tl.load(block_expert_ptr + b).to(tl.int64)
         rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + rows)
+        if ALIGN_PAIRS:
+            used, expert, pair = _block_rows(ids_ptr, num_pairs, b, BINS, BLOCK_M, ALIGN_PAIRS)
+            if b >= used:
+                return
+            if tl.program_id(1) == 0:
+                tl.store(sorted_ptr + rows, pair)
+                tl.store(block_expert_ptr + b, expert)
+                if b == 0:
+                    tl.store(used_ptr, used)
+            expert = expert.to(tl.int64)
+        else:
+            if b >= tl.load(used_ptr):
+                return
+            expert = tl.load(block_expert_ptr + b).to(tl.int64)
+            pair = tl.load(sorted_ptr + rows)
         valid = pair < num_pairs
         token = (pair // TOP_K).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -277,16 +321,26 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     dn, dk = down.pop("BLOCK_N"), down.pop("BLOCK_K")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = weights.contiguous()
-    sorted_pairs, block_expert, used = align(ids, num_experts, bm)
-    rows, blocks = sorted_pairs.numel(), block_expert.numel()
     num_pairs = m * top_k
+    in_kernel = num_pairs <= align_in_max_pairs()
+    if in_kernel:  # gate/up's programs write these
+        blocks = max_blocks(num_pairs, num_experts, bm)
+        sorted_pairs = torch.empty(blocks * bm, dtype=torch.int32, device=x.device)
+        block_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
+        used = torch.empty(1, dtype=torch.int32, device=x.device)
+        ids = ids.contiguous().view(-1)
+    else:
+        sorted_pairs, block_expert, used = align(ids, num_experts, bm)
+    rows, blocks = sorted_pairs.numel(), block_expert.numel()
     ieee = x.dtype == torch.float32
     h = torch.empty(rows, shard, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(shard, bn))](
-        x, w13, sorted_pairs, block_expert, used, h, num_pairs, width, shard,
+        x, w13, ids, sorted_pairs, block_expert, used, h, num_pairs, width, shard,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), float(beta), float(linear_beta or 1.0),
         TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None, IEEE=ieee, EVEN_K=width % bk == 0,
-        EVEN_N=shard % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg, **pdl.launch(x.device))
+        EVEN_N=shard % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        ALIGN_PAIRS=max(16, triton.next_power_of_2(num_pairs)) if in_kernel else 0,
+        BINS=max(32, triton.next_power_of_2(num_experts)), **cfg, **pdl.launch(x.device))
     part = torch.empty(num_pairs, width_out, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(width_out, dn))](
         h, w2, sorted_pairs, block_expert, used, weights, part, num_pairs, width_out, shard,

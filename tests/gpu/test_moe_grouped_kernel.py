@@ -133,6 +133,26 @@ def test_experts_match_float64(dtype, m, width, shard, cfg, act):
     assert err < tol, f"max error {err:.2e} of the output's max"
 
 
+@pytest.mark.parametrize("kind,m,k,experts,block_m", [
+    ("uniform", 8, 8, 64, 16), ("skewed", 5, 6, 40, 16), ("few", 16, 4, 48, 16), ("one", 9, 1, 16, 16),
+    ("uniform", 3, 8, 12, 32),  # fewer experts than the 32 histogram bins
+])
+def test_align_in_gate_up_equals_the_align_kernel(kind, m, k, experts, block_m, monkeypatch, spy):
+    """LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS: gate/up's programs lay out their own row blocks from the
+    ids (no align launch) and write them for the down kernel: the same output, bit for bit."""
+    _, dev = problem(m, k, experts, 96, 32, torch.float32, seed=m + experts, kind=kind)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    want = moe_grouped.grouped_experts(*dev, "silu", 1.0, None, cfg=dict(cfg))
+    monkeypatch.setenv("LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS", str(m * k))
+    calls = spy(moe_grouped, "align")
+    got = moe_grouped.grouped_experts(*dev, "silu", 1.0, None, cfg=dict(cfg))
+    assert calls == [], "the align kernel ran"
+    assert torch.equal(got, want), (got - want).abs().max()
+    monkeypatch.setenv("LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS", str(m * k - 1))  # one pair past the limit
+    moe_grouped.grouped_experts(*dev, "silu", 1.0, None, cfg=dict(cfg))
+    assert calls == ["align"]
+
+
 def test_op_matches_the_function_and_is_deterministic():
     _, dev = problem(24, 4, 12, 64, 32, torch.float32, seed=3, kind="skewed")
     a = torch.ops.latentserve.moe_grouped_experts(*dev, "silu", 1.0, None)
