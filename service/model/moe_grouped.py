@@ -287,15 +287,17 @@ if triton is not None:
                  mask=valid[:, None] & nmask[None, :])
 
 
+def _layout_buffers(num_pairs: int, num_experts: int, block_m: int, device) -> tuple:
+    blocks = max_blocks(num_pairs, num_experts, block_m)
+    return (torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+            torch.empty(blocks, dtype=torch.int32, device=device), torch.empty(1, dtype=torch.int32, device=device))
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [M, k] -> (sorted_pairs [max rows] int32, expert_of_block [max blocks] int32, used blocks [1]
     int32). Rows past used * block_m and blocks past used are left unwritten."""
     num_pairs = ids.numel()
-    blocks = max_blocks(num_pairs, num_experts, block_m)
-    dev = ids.device
-    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
-    used = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_pairs, block_expert, used = _layout_buffers(num_pairs, num_experts, block_m, ids.device)
     # Triton's histogram keeps at least one bin per lane of a warp.
     bins = max(32, triton.next_power_of_2(num_experts))
     chunk = min(4096, max(256, triton.next_power_of_2(num_pairs)))
@@ -324,10 +326,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     num_pairs = m * top_k
     in_kernel = num_pairs <= align_in_max_pairs()
     if in_kernel:  # gate/up's programs write these
-        blocks = max_blocks(num_pairs, num_experts, bm)
-        sorted_pairs = torch.empty(blocks * bm, dtype=torch.int32, device=x.device)
-        block_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
-        used = torch.empty(1, dtype=torch.int32, device=x.device)
+        sorted_pairs, block_expert, used = _layout_buffers(num_pairs, num_experts, bm, x.device)
         ids = ids.contiguous().view(-1)
     else:
         sorted_pairs, block_expert, used = align(ids, num_experts, bm)
