@@ -59,6 +59,7 @@ import service.weights.checkpoint  # noqa: E402,F401
 from service import LLM, SamplingParams  # noqa: E402
 from service.engine.plan import SeqChunk, StepPlan  # noqa: E402
 from service.model.attn_metadata import AttnMetadata  # noqa: E402
+from service.model.model import K3_DECODE_SWITCHES  # noqa: E402
 from service.weights import fp8  # noqa: E402
 
 GIB = 1 << 30
@@ -327,13 +328,11 @@ def bench_k3(args, bw: float) -> None:
 # Kimi-K3's decode candidates, timed in one process against `none` (the defaults): each build
 # after the first finds Inductor's and Triton's caches warm, where a process each recompiled cold
 # (run 48: `none`, first, ran out of a quarter of the call).
-K3_KERNELS = ("LATENTSERVE_KDA_DECODE_STEP", "LATENTSERVE_GEMV_MULTI", "LATENTSERVE_ATTN_RES_KERNEL",
-              "LATENTSERVE_MLA_GATE_IN_KERNEL")
 K3_CONFIGS = {"none": {},
               # the path before run 61 made K3's four decode kernels the defaults (run 61: `all`, these
               # four, 0.71x / 0.75x / 0.80x of it at batch 1 / 8 / 64): FLA's recurrent kernel, a
               # launch a projection, the attention-residual mixes and MLA's gate as torch chains
-              "fla": {name: "0" for name in K3_KERNELS},
+              "fla": {name: "0" for name in K3_DECODE_SWITCHES},
               # the step kernel's state in 64-column blocks on 8 warps up to 8 sequences (kda_step.block_cols)
               "step_wide": {"LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS": "8"},
               # a head's columns over four programs up to 8 sequences (kda_step.split_max_rows)

@@ -30,6 +30,10 @@ from .layers import (
 )
 from .moe import MoE
 
+# Kimi-K3's decode kernels, on by default since run 61 (bench/RESULTS.md: together 0.71-0.80x of
+# the path without them); each switch at `0` turns one off, all four give that path (`fla`).
+K3_DECODE_SWITCHES = ("LATENTSERVE_KDA_DECODE_STEP", "LATENTSERVE_GEMV_MULTI", "LATENTSERVE_ATTN_RES_KERNEL",
+                      "LATENTSERVE_MLA_GATE_IN_KERNEL")
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, layer_idx: int, dtype: torch.dtype,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from service import LLM, SamplingParams
+from service.model.model import K3_DECODE_SWITCHES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 if not torch.cuda.is_available():
@@ -85,9 +86,7 @@ def spy_replays(g) -> list[tuple[int, int, int]]:
 # Runs 55-56 (2026-12-05, H100): in graphs the KDA step kernel diverged from eager at every prompt's
 # first decode token; the compiled layer had handed it a misplaced copy of its state
 # (kda_step._outside_compile, run 57). Since the fix all four pass, with PDL and without.
-KERNELS = ("LATENTSERVE_KDA_DECODE_STEP", "LATENTSERVE_GEMV_MULTI", "LATENTSERVE_ATTN_RES_KERNEL",
-           "LATENTSERVE_MLA_GATE_IN_KERNEL")
-BUILDS = {"defaults": {}, "fla": {name: "0" for name in KERNELS}}
+BUILDS = {"defaults": {}, "fla": {name: "0" for name in K3_DECODE_SWITCHES}}
 # fp32 logprobs of two kernel sets differ by up to ~1.2e-3 eagerly, no graphs involved (run 63: 1.21e-3
 # between the step kernel alone and all four; run 64: 2.7e-4 between `fla` and the defaults): sums
 # in another order through 24 tokens of recurrent state. A build's graphs against its own eager
@@ -97,7 +96,7 @@ CASES = ([("float32", 1e-3, 1e-3, "defaults"), ("float32", 1e-3, 3e-3, "fla")]
 
 
 def switch(monkeypatch, build: str) -> None:
-    for name in KERNELS:
+    for name in K3_DECODE_SWITCHES:
         if name in BUILDS[build]:
             monkeypatch.setenv(name, BUILDS[build][name])
         else:

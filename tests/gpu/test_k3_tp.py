@@ -13,18 +13,17 @@ from kernel_env import DEVICE, kernel_marks, require_kernel_device
 require_kernel_device()
 
 from service import LLM, SamplingParams  # noqa: E402
+from service.model.model import K3_DECODE_SWITCHES  # noqa: E402
 
 pytestmark = kernel_marks(1800)
 OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
-KERNELS = ("LATENTSERVE_KDA_DECODE_STEP", "LATENTSERVE_GEMV_MULTI", "LATENTSERVE_ATTN_RES_KERNEL",
-           "LATENTSERVE_MLA_GATE_IN_KERNEL")
 # A one-token prompt starts on a decode-shaped step at position 0; the others prefill first.
 PROMPTS = [[(i * 131 + 17 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate([9, 3, 1, 12])]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
 
 
 def generate(monkeypatch, kernels_on: bool) -> list:
-    for name in KERNELS:
+    for name in K3_DECODE_SWITCHES:
         if kernels_on:
             monkeypatch.delenv(name, raising=False)
         else:
