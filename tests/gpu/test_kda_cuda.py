@@ -86,7 +86,8 @@ STEPS = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fla_path_matches_torch_path(name, dtype):
+def test_fla_path_matches_torch_path(name, dtype, monkeypatch):
+    monkeypatch.setenv("LATENTSERVE_KDA_DECODE_STEP", "0")  # FLA's step, not the step kernel (the default)
     cfg = CONFIGS[name]
     layer = build_layer(cfg, dtype)
     states = {"torch": nan_state(cfg, dtype), "fla": nan_state(cfg, dtype)}
@@ -109,10 +110,13 @@ def test_fla_path_matches_torch_path(name, dtype):
         assert a[[0, 5, 6, 7]].isnan().all(), f"{part}: the FLA path wrote rows outside the batch"
 
 
+@pytest.mark.parametrize("step", ["0", "1"], ids=["fla", "step_kernel"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fla_decode_kernel_matches_torch_in_fp32(name):
+def test_fla_decode_kernel_matches_torch_in_fp32(name, step, monkeypatch):
     """Decodes alone from fresh rows: FLA's recurrent kernel has no TF32 matmuls, so in fp32 it
-    agrees with the torch step to fp32 rounding, not just to the chunk kernels' tolerance."""
+    agrees with the torch step to fp32 rounding, not just to the chunk kernels' tolerance; so does
+    the step kernel that replaces it by default (LATENTSERVE_KDA_DECODE_STEP)."""
+    monkeypatch.setenv("LATENTSERVE_KDA_DECODE_STEP", step)
     cfg = CONFIGS[name]
     layer = build_layer(cfg, torch.float32, seed=5)
     states = {"torch": nan_state(cfg, torch.float32), "fla": nan_state(cfg, torch.float32)}
