@@ -287,6 +287,11 @@ if triton is not None:
                  mask=valid[:, None] & nmask[None, :])
 
 
+def histogram_bins(num_experts: int) -> int:
+    """Triton's histogram keeps at least one bin per lane of a warp."""
+    return max(32, triton.next_power_of_2(num_experts))
+
+
 def _layout_buffers(num_pairs: int, num_experts: int, block_m: int, device) -> tuple:
     blocks = max_blocks(num_pairs, num_experts, block_m)
     return (torch.empty(blocks * block_m, dtype=torch.int32, device=device),
@@ -298,11 +303,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     int32). Rows past used * block_m and blocks past used are left unwritten."""
     num_pairs = ids.numel()
     sorted_pairs, block_expert, used = _layout_buffers(num_pairs, num_experts, block_m, ids.device)
-    # Triton's histogram keeps at least one bin per lane of a warp.
-    bins = max(32, triton.next_power_of_2(num_experts))
     chunk = min(4096, max(256, triton.next_power_of_2(num_pairs)))
     _align_kernel[(num_experts,)](ids.contiguous().view(-1), sorted_pairs, block_expert, used, num_pairs,
-                                  BINS=bins, BLOCK_M=block_m, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8,
+                                  BINS=histogram_bins(num_experts), BLOCK_M=block_m, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8,
                                   **pdl.launch(ids.device))
     return sorted_pairs, block_expert, used
 
@@ -339,7 +342,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None, IEEE=ieee, EVEN_K=width % bk == 0,
         EVEN_N=shard % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         ALIGN_PAIRS=max(16, triton.next_power_of_2(num_pairs)) if in_kernel else 0,
-        BINS=max(32, triton.next_power_of_2(num_experts)), **cfg, **pdl.launch(x.device))
+        BINS=histogram_bins(num_experts), **cfg, **pdl.launch(x.device))
     part = torch.empty(num_pairs, width_out, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(width_out, dn))](
         h, w2, sorted_pairs, block_expert, used, weights, part, num_pairs, width_out, shard,
