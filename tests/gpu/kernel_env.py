@@ -39,3 +39,15 @@ def fill_random(module: torch.nn.Module, generator: torch.Generator) -> None:
     1/sqrt(fan-in), vectors by 1/4, so outputs stay O(1) through a layer's projections."""
     for _, p in sorted(module.named_parameters()):
         p.copy_(torch.randn(p.shape, generator=generator) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 4))
+
+
+def k3_decode_kernels(monkeypatch, on: bool) -> None:
+    """Kimi-K3's four decode kernels on (their defaults, whatever the caller's environment) or off
+    (the `fla` path). Rank processes started afterwards inherit the environment."""
+    from service.model.model import K3_DECODE_SWITCHES
+
+    for name in K3_DECODE_SWITCHES:
+        if on:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, "0")

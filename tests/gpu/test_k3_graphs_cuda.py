@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from service import LLM, SamplingParams
-from service.model.model import K3_DECODE_SWITCHES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from kernel_env import k3_decode_kernels  # noqa: E402
 from test_engine_cuda import compare, cycle_checks, graphs, tokens  # noqa: E402
 
 # MLA widths the Triton decode kernel takes; weights large enough for clear greedy margins.
@@ -56,7 +56,7 @@ def generate(llm: LLM):
 @pytest.fixture(scope="module")
 def eager_fp32():
     with pytest.MonkeyPatch.context() as mp:
-        switch(mp, "defaults")  # the defaults, whatever the caller's environment
+        k3_decode_kernels(mp, on=True)  # the defaults, whatever the caller's environment
         llm = make_llm("float32", eager=True)
         try:
             assert graphs(llm) is None
@@ -86,7 +86,7 @@ def spy_replays(g) -> list[tuple[int, int, int]]:
 # Runs 55-56 (2026-12-05, H100): in graphs the KDA step kernel diverged from eager at every prompt's
 # first decode token; the compiled layer had handed it a misplaced copy of its state
 # (kda_step._outside_compile, run 57). Since the fix all four pass, with PDL and without.
-BUILDS = {"defaults": {}, "fla": {name: "0" for name in K3_DECODE_SWITCHES}}
+BUILDS = ("defaults", "fla")
 # fp32 logprobs of two kernel sets differ by up to ~1.2e-3 eagerly, no graphs involved (run 63: 1.21e-3
 # between the step kernel alone and all four; run 64: 2.7e-4 between `fla` and the defaults): sums
 # in another order through 24 tokens of recurrent state. A build's graphs against its own eager
@@ -95,18 +95,10 @@ CASES = ([("float32", 1e-3, 1e-3, "defaults"), ("float32", 1e-3, 3e-3, "fla")]
          + [("bfloat16", 1e-2, 0.5, build) for build in BUILDS])
 
 
-def switch(monkeypatch, build: str) -> None:
-    for name in K3_DECODE_SWITCHES:
-        if name in BUILDS[build]:
-            monkeypatch.setenv(name, BUILDS[build][name])
-        else:
-            monkeypatch.delenv(name, raising=False)
-
-
 def test_k3_fla_eager_matches_the_defaults(eager_fp32, monkeypatch):
     """The two builds without graphs or compiled layers: where test_k3_greedy_in_graphs_matches_eager
     fails and this passes, the fault is in a capture, not a kernel."""
-    switch(monkeypatch, "fla")
+    k3_decode_kernels(monkeypatch, on=False)
     llm = make_llm("float32", eager=True)
     try:
         outs = generate(llm)
@@ -119,7 +111,7 @@ def test_k3_fla_eager_matches_the_defaults(eager_fp32, monkeypatch):
 
 @pytest.mark.parametrize("dtype,floor,max_noise,build", CASES, ids=[f"{d}-{b}" for d, _, _, b in CASES])
 def test_k3_greedy_in_graphs_matches_eager(eager_fp32, dtype, floor, max_noise, build, monkeypatch):
-    switch(monkeypatch, build)
+    k3_decode_kernels(monkeypatch, on=build == "defaults")
     llm = make_llm(dtype)
     try:
         g = graphs(llm)

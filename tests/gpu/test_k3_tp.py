@@ -8,12 +8,11 @@ interpreted in both ranks (2026-12-05: 4 prompts x 6 tokens, the same tokens, lo
 
 from __future__ import annotations
 
-from kernel_env import DEVICE, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, k3_decode_kernels, kernel_marks, require_kernel_device
 
 require_kernel_device()
 
 from service import LLM, SamplingParams  # noqa: E402
-from service.model.model import K3_DECODE_SWITCHES  # noqa: E402
 
 pytestmark = kernel_marks(1800)
 OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
@@ -23,11 +22,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2
 
 
 def generate(monkeypatch, kernels_on: bool) -> list:
-    for name in K3_DECODE_SWITCHES:
-        if kernels_on:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, "0")  # the rank processes inherit the environment
+    k3_decode_kernels(monkeypatch, kernels_on)  # the rank processes inherit the environment
     graphs = {"cuda_graph_batch_sizes": [1, 2, 4]} if DEVICE == "cuda" else {}
     llm = LLM(model="k3-tiny", hf_overrides=OVERRIDES, dtype="float32", device=DEVICE, seed=0, tensor_parallel_size=2,
               distributed_executor_backend="mp", max_num_seqs=4, **graphs)
