@@ -472,6 +472,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # 0.98-0.99x; 512 pairs takes batch 64 too, every program reading 512 ids.
              "align_in": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "128"},
              "align_in_512": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "512"},
+             # MLA decode at 1-8 sequences in 16 warps (mla_decode.launch_config), and the three
+             # candidates for batches 1-8 together: what each alone is too small to show.
+             "mla_16_warps": {"LATENTSERVE_MLA_SMALL_WARPS": "16"},
+             "small_batch": {"LATENTSERVE_MLA_SMALL_WARPS": "16", "LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "128",
+                             "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
              # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).

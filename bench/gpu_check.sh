@@ -41,7 +41,7 @@ commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ech
 if { [ "$what" = bench ] || [ "$what" = all ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines same_build,align_in,align_in_512,entry_wide_n,no_pdl \
+    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines same_build,align_in,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260

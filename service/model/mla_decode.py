@@ -79,10 +79,14 @@ def launch_config(batch: int, num_heads: int) -> dict:
     programs = _programs(batch, num_heads)
     # Tried and removed (run 39, 2026-12-04): reading the context length, block table and first
     # KV tile before the PDL wait at batch 1-8 (one tile a program): steps 1.00x at 1 and 8.
+    # LATENTSERVE_MLA_SMALL_WARPS (a candidate, 16): ncu at one sequence (run 62) found each warp's
+    # chain of ~1600 instructions at 9.3 cycles apart the kernel's length; 16 warps share a tile
+    # (1208 instructions a warp, 128 registers, compiled for sm_90) where 8 hold 166 registers.
+    warps = int(os.environ.get("LATENTSERVE_MLA_SMALL_WARPS", "8"))
     if programs <= 2:
-        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+        return {"BLOCK_N": 32, "num_warps": warps, "num_stages": 1}
     if programs <= 16:
-        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+        return {"BLOCK_N": 64, "num_warps": warps, "num_stages": 1}
     if os.environ.get("LATENTSERVE_MLA_PREFETCH", "1") == "0":  # the measured table before it (a baseline)
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3 if programs >= ONE_SPLIT_PROGRAMS else 2}
     # Block tables a step ahead, so the KV tile gets 2 buffers at 3 stages (91 KB of shared
