@@ -12,10 +12,11 @@
 # layer's graph replays (runs 55-56: the step kernel diverged in graphs; run 57: fixed, passes). Give
 # it a whole call (~560 s): run 56 ran out at 571 s before its bf16 cases, with builds since cut. `fp8`: FP8 decode
 # with its projections of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
+# `quick`: the bench without serving, then K3 at TP 2 and the engine's graph tests, in one call.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|sweeps|k3|k3_tests|fp8|small_rows|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|sweeps|k3|k3_tests|fp8|small_rows|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,14 +39,14 @@ group() {  # name, seconds, pytest args...
   echo "== $name rc=$? $(( $(date +%s) - s ))s: $(grep -E 'passed|failed|error|skipped|no tests ran' "$OUT/$name.txt" | tail -1)"
 }
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
-if { [ "$what" = bench ] || [ "$what" = all ]; } && [ "$(left)" -gt 120 ]; then
+if { [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
     --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines same_build,align_in,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
-  if [ "$(left)" -gt 150 ]; then
+  if [ "$what" != quick ] && [ "$(left)" -gt 150 ]; then
     s=$(date +%s)
     OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --requests 256 > "$OUT/serve_all.log" 2>&1
     echo "== serve rc=$? $(( $(date +%s) - s ))s"
@@ -106,6 +107,10 @@ if [ "$what" = fp8 ]; then  # FP8 decode against bf16 and against its wide-tile 
   echo "== fp8 bench rc=$?"
   grep -E "decode batch|fp8 decode|FP8|baseline|logits|capture_failed|Error" "$OUT/fp8.log" | cut -c1-260
   group fp8_tests "$(left)" tests/gpu/test_fp8.py tests/gpu/test_moe_entry.py -k "linear or w8a8 or fp8"
+fi
+if [ "$what" = quick ]; then  # one call's worth when machines are scarce: the bench, then the GPU checks not yet run
+  group k3_tp 200 tests/gpu/test_k3_tp.py
+  group engine "$(left)" tests/gpu/test_prefill_graphs.py tests/gpu/test_engine_cuda.py
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
