@@ -32,6 +32,7 @@ the uncompiled layers; a compiler failure falls back to them (logged, in `stats(
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import torch
@@ -89,15 +90,23 @@ def pack_decode(chunks: list[SeqChunk], batch: int, max_batch: int, width: int, 
     [max_batch, width]. Rows len(chunks)..batch-1 are padding (`fill_scratch`). Only the blocks a
     context covers are written."""
     fields, tables = _views(buf, max_batch, width)
-    for i, c in enumerate(chunks):
-        pos = c.start_pos
-        blocks = -(-(pos + 1) // block_size)
-        fields[IDS, i] = c.token_ids[0]
-        fields[POSITIONS, i] = pos
-        fields[SLOTS, i] = c.block_table[pos // block_size] * block_size + pos % block_size
-        fields[CONTEXT, i] = pos + 1
-        fields[STATE, i] = c.state_slot
-        tables[i, :blocks] = c.block_table[:blocks]
+    n = len(chunks)
+    if n:
+        # Column-wise, one numpy write a field (bench/host_step.py: per-element writes were ~3.4 us
+        # a sequence, 0.87 ms of a 256-stream step on this CPU).
+        pos = [c.start_pos for c in chunks]
+        blocks = [p // block_size + 1 for p in pos]
+        tabs = [c.block_table for c in chunks]
+        fields[IDS, :n] = [c.token_ids[0] for c in chunks]
+        fields[POSITIONS, :n] = pos
+        fields[SLOTS, :n] = [t[k - 1] * block_size + p % block_size for t, k, p in zip(tabs, blocks, pos)]
+        fields[CONTEXT, :n] = pos
+        fields[CONTEXT, :n] += 1
+        fields[STATE, :n] = [c.state_slot for c in chunks]
+        counts = np.array(blocks)
+        rows = np.repeat(np.arange(n), counts)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        tables[rows, cols] = list(itertools.chain.from_iterable(t[:k] for t, k in zip(tabs, blocks)))
     if batch > len(chunks):
         fill_scratch(buf, len(chunks), batch, max_batch, width, block_size, scratch)
 
