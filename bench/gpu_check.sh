@@ -41,8 +41,10 @@ group() {  # name, seconds, pytest args...
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
 if { [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
+  baselines=same_build,align_in,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl
+  [ "$what" = quick ] && baselines=same_build,small_batch,mla_16_warps,align_in
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines same_build,align_in,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl \
+    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines "$baselines" \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
   grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed" "$OUT/bench.log" | cut -c1-260
