@@ -118,7 +118,7 @@ def test_launch_variants_match_reference(dtype, tol, write, heads):
     # The last two: LATENTSERVE_MLA_SMALL_WARPS's 16-warp candidate at the few-program tile sizes.
     cfgs = [mla_decode.launch_config(64, heads), {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True},
             {**mla_decode.launch_config(1, heads), "BLOCK_N": 16},
-            {"BLOCK_N": 32, "num_warps": 16, "num_stages": 1}, {"BLOCK_N": 64, "num_warps": 16, "num_stages": 1}]
+            {**mla_decode.launch_config(1, heads), "num_warps": 16}, {**mla_decode.launch_config(8, heads), "num_warps": 16}]
     for cfg, splits in itertools.product(cfgs, (1, 4, 16)):
         cache = kv.clone()
         out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
@@ -133,6 +133,9 @@ def test_prefetch_launch_is_the_default_from_17_programs(monkeypatch):
     assert "PREFETCH_BT" not in mla_decode.launch_config(8, 16)  # few programs: the split table's shapes
     monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "0")  # bench/gpu.py's mla_no_prefetch baseline
     assert "PREFETCH_BT" not in mla_decode.launch_config(64, 16)
+
+
+def test_small_warps_switch_reaches_only_the_few_program_launches(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_MLA_SMALL_WARPS", "16")  # bench/gpu.py's mla_16_warps candidate
     assert mla_decode.launch_config(1, 16)["num_warps"] == mla_decode.launch_config(8, 16)["num_warps"] == 16
     assert mla_decode.launch_config(64, 16)["num_warps"] == 4
