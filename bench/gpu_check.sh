@@ -13,10 +13,12 @@
 # it a whole call (~560 s): run 56 ran out at 571 s before its bf16 cases, with builds since cut. `fp8`: FP8 decode
 # with its projections of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
 # `quick`: the bench without serving, then K3 at TP 2 and the engine's graph tests, in one call.
+# `serve_async`: HTTP serving at 64 and 256 streams with async output (the CUDA default), then
+# the same on a server with `--async-output off`, and the ratio.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|sweeps|k3|k3_tests|fp8|small_rows|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|sweeps|k3|k3_tests|fp8|small_rows|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,6 +115,12 @@ fi
 if [ "$what" = quick ]; then  # one call's worth when machines are scarce: the bench, then the GPU checks not yet run
   group k3_tp 200 tests/gpu/test_k3_tp.py
   group engine "$(left)" tests/gpu/test_prefill_graphs.py tests/gpu/test_engine_cuda.py
+fi
+if [ "$what" = serve_async ]; then  # served tok/s with a step's outputs processed during the next step, against in order
+  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline --baseline-args "--async-output off" \
+    > "$OUT/serve_async.log" 2>&1
+  echo "== serve_async rc=$?"
+  grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py

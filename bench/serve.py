@@ -21,6 +21,8 @@ gap between token-bearing chunks divided by their tokens) and end-to-end latency
 generates the same prompts and lengths in waves of --clients; HTTP / offline output tokens/s is
 what serving over HTTP costs. Then `--cycles` level-1 and level-2 sleep/wake cycles: the
 controller's overhead is the HTTP round trip minus the slowest rank's own reported seconds.
+--baseline-args '--async-output off': the same levels again on a second server started with
+those extra options, in the same run, and the ratio of output tokens/s.
 The last line is `SUMMARY {json}`.
 """
 
@@ -32,6 +34,7 @@ import json
 import multiprocessing
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -294,6 +297,9 @@ def print_report(loads: list[dict], overhead: dict, args) -> None:
         print(f"\nLoad: {load['clients']} clients, {load['requests']} requests x {args.max_tokens} tokens "
               f"(prompt {args.prompt_len}), {load['errors']} errors, {load['wall_s']:.1f} s")
         line = f"throughput: {load['tokens_per_s']:.1f} output tokens/s, {load['requests_per_s']:.2f} requests/s"
+        if "over_baseline" in load:
+            line += (f"; with {' '.join(load['baseline_args'])}: {load['baseline_tokens_per_s']:.1f} tokens/s -> "
+                     f"{load['over_baseline']:.3f}x")
         if "offline_tokens_per_s" in load:
             line += (f"; offline (same engine, waves of {load['clients']}): {load['offline_tokens_per_s']:.1f} "
                      f"tokens/s -> HTTP / offline {load['http_over_offline']:.2f}")
@@ -338,6 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the same engine offline for the HTTP/offline ratio (default: on with CUDA)")
     p.add_argument("--json")
     p.add_argument("--server-log", help="the server's log file (default: a temporary file)")
+    p.add_argument("--serve-args", help="extra `serve` options of the (first) server, e.g. '--async-output on'")
+    p.add_argument("--baseline-args", help="then the same levels on a second server with these extra `serve` "
+                   "options (e.g. '--async-output off'), and the ratio of the two")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     for key, value in (CUDA_DEFAULTS if cuda else CPU_DEFAULTS).items():
@@ -356,8 +365,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.url:
         if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
             p.error("loopback URLs only (this benchmark floods the server)")
-        if args.offline:
-            p.error("--offline needs the bench to start the server (it builds the same engine)")
+        if args.offline or args.baseline_args:
+            p.error("--offline and --baseline-args need the bench to start the server (they build the same engine)")
     if cuda and not args.url:
         import torch
 
@@ -367,11 +376,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    levels = [(c, args.requests or 4 * c) for c in args.clients]
-    prompts = make_prompts(max(n for _, n in levels), args.prompt_len)
-    server, argv_serve = None, server_args(args)
+def run_levels(args, argv_serve: list[str] | None, levels, prompts) -> tuple[list[dict], dict, bool]:
+    """Start the server (unless --url), warm it, run each load level; (loads, sleep/wake overhead,
+    whether this run started the server)."""
+    server = None
     if args.url:
         url, key = args.url, args.admin_key
     else:
@@ -400,6 +408,27 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+    return loads, overhead, server is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    levels = [(c, args.requests or 4 * c) for c in args.clients]
+    prompts = make_prompts(max(n for _, n in levels), args.prompt_len)
+    argv_serve = None if args.url else server_args(args) + shlex.split(args.serve_args or "")
+    loads, overhead, started = run_levels(args, argv_serve, levels, prompts)
+    if args.baseline_args:  # the same load on a second server with these options, in this run
+        extra = shlex.split(args.baseline_args)
+        base_loads, _, _ = run_levels(argparse.Namespace(**{**vars(args), "cycles": 0}), argv_serve + extra,
+                                      levels, prompts)
+        for load, base in zip(loads, base_loads):
+            load["baseline_args"] = extra
+            load["baseline_tokens_per_s"] = base["tokens_per_s"]
+            load["over_baseline"] = load["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+            load["baseline_itl"], load["baseline_ttft"] = base["itl"], base["ttft"]
+            load["baseline_engine_steps"] = base.get("engine_steps")
+            log(f"{load['clients']} clients: {load['tokens_per_s']:.1f} tokens/s against {base['tokens_per_s']:.1f} "
+                f"with {args.baseline_args!r}: {load['over_baseline']:.3f}x")
     if args.offline:
         done = [(load["clients"], load["requests"]) for load in loads if load["requests"]]
         offline = offline_baseline(argv_serve, done, prompts, args.max_tokens)
@@ -411,13 +440,14 @@ def main(argv: list[str] | None = None) -> int:
                 load["offline_engine_steps"] = base["engine_steps"]
     print_report(loads, overhead, args)
     summary = {"device": args.device, "model": args.model, "layers": args.layers, "tp": args.tp,
-               "server_args": argv_serve if server is not None else None, "loads": loads, "sleep_wake": overhead,
+               "server_args": argv_serve if started else None, "loads": loads, "sleep_wake": overhead,
                "args": {k: v for k, v in vars(args).items() if k != "admin_key"}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
     brief = {"device": args.device, "levels": [{k: load.get(k) for k in (
-        "clients", "requests", "errors", "tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft", "itl")}
+        "clients", "requests", "errors", "tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft", "itl",
+        "baseline_tokens_per_s", "over_baseline")}
         for load in loads]}
     print("SUMMARY " + json.dumps(brief), flush=True)
     return 0 if not any(load["errors"] for load in loads) else 1

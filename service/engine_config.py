@@ -56,6 +56,10 @@ class EngineConfig:
     # CUDA graphs of the decode step (CUDA only; sizes above max_num_seqs are dropped)
     enforce_eager: bool = False
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    # Process a step's outputs (detokenize, stop strings, outputs) while the next step runs on the
+    # device, as vLLM's async output processing: auto = on CUDA (where a launch returns before the
+    # device finishes), off on the CPU (where it would only report every token a step later).
+    async_output: str = "auto"
     # process group of the TP ranks: auto = nccl on CUDA, gloo on CPU
     tp_backend: str = "auto"
     # Ray
@@ -78,6 +82,8 @@ class EngineConfig:
             raise ConfigError(f"tp_backend must be auto, nccl or gloo, got {self.tp_backend!r}")
         if self.dummy_weights not in ("seeded", "device"):
             raise ConfigError(f"dummy_weights must be seeded or device, got {self.dummy_weights!r}")
+        if self.async_output not in ("auto", "on", "off"):
+            raise ConfigError(f"async_output must be auto, on or off, got {self.async_output!r}")
         if self.pool_layout not in ("segregated", "interleaved"):
             raise ConfigError(f"pool_layout must be segregated or interleaved, got {self.pool_layout!r}")
         max_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
@@ -88,6 +94,11 @@ class EngineConfig:
             tail_tokens = GPU_FUSED_TAIL_MAX_TOKENS if self.device.startswith("cuda") else CPU_FUSED_TAIL_MAX_TOKENS
         return dataclasses.replace(self, model_config=cfg, checkpoint_dir=ckpt, max_model_len=max_len,
                                    fused_tail_max_tokens=tail_tokens)
+
+    @property
+    def overlap_outputs(self) -> bool:
+        """Whether the engine processes a step's outputs while the next step runs (async_output)."""
+        return self.async_output == "on" or (self.async_output == "auto" and self.device.startswith("cuda"))
 
     @property
     def process_group_backend(self) -> str:
@@ -141,6 +152,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dummy-weights", default="seeded", choices=["seeded", "device"],
                    help="without a checkpoint: seeded CPU draw (TP-invariant) or drawn on the device (fast; benches)")
     p.add_argument("--tail-deadline-s", type=float, default=10.0)
+    p.add_argument("--async-output", default="auto", choices=["auto", "on", "off"],
+                   help="process a step's outputs while the next step runs (auto: on CUDA only)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -154,6 +167,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * (1 << 30)),
         cuda_graph_batch_sizes=args.cuda_graph_batch_sizes, dummy_weights=args.dummy_weights,
+        async_output=args.async_output,
     )
 
 

@@ -23,7 +23,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory("--enable-sleep-mode")
+    # Async output on (the CUDA default; auto is off on the CPU): pauses for the sleeps must first
+    # collect the step in flight, and kept streams must lose no token across them.
+    return server_factory("--enable-sleep-mode", "--async-output", "on")
 
 
 async def _tokens(c: AsyncClient, prompts, max_tokens: int) -> list[list[int]]:
@@ -98,6 +100,7 @@ async def _race(url: str, key: str) -> dict:
         served = await asyncio.gather(*requests)
         final = await c.status()
         _consistent(final)
+        assert final["engine"]["async_output"], final["engine"]
         return {"reference": reference, "again": await _tokens(c, PROMPTS, 8), "streamed": streamed,
                 "stream_reference": stream_reference, "seen": seen, "kept": kept, "served": served,
                 "final": final}

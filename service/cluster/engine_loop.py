@@ -109,7 +109,7 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     raise TimeoutError(f"in-flight requests did not finish within {timeout}s")
             self._paused = True
-            while self._stepping:
+            while self._stepping or self.engine.in_flight:  # the loop collects a batch in flight
                 self._cv.wait(0.05)
             aborted = []
             if mode == "abort":
@@ -143,13 +143,15 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and (self._paused or not self.engine.has_unfinished()):
+                engine = self.engine
+                while not engine.in_flight and not self._stop and (self._paused or not engine.has_unfinished()):
                     self._cv.wait(0.5)
-                if self._stop:
+                if self._stop and not engine.in_flight:
                     return
+                launch = not (self._paused or self._stop)  # else only collect the batch in flight
                 self._stepping = True
             try:
-                outputs = self.engine.step()
+                outputs = engine.step(launch)
                 self.last_error = None
             except Exception as e:  # the engine already failed its running requests
                 self.last_error = f"{type(e).__name__}: {e}"

@@ -25,10 +25,11 @@ from .plan import StepPlan
 from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus, make_generator
+from .stop import text_stop, token_stop
+from .validate import NO_TOKENIZER_NOTE, validate_request
 
 log = logging.getLogger(__name__)
 
-NO_TOKENIZER_NOTE = "no tokenizer for this model: outputs carry token ids only (text is None)"
 
 
 @dataclass(eq=False)
@@ -51,8 +52,13 @@ class _Request:
 class LLMEngine:
     def __init__(self, execute: Callable[[StepPlan], torch.Tensor], tokenizer: Tokenizer | None, *,
                  block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_id: int | None = None, vocab_size: int | None = None) -> None:
+                 max_model_len: int, eos_token_id: int | None = None, vocab_size: int | None = None,
+                 overlap: bool = False) -> None:
         self.execute = execute
+        # Process a step's outputs while the next step runs (vLLM's async output processing): worth
+        # it where `execute` returns before the device finishes (CUDA), a step later elsewhere.
+        self.overlap = overlap
+        self._in_flight: tuple[ScheduledBatch, torch.Tensor | None] | None = None
         self.tokenizer = tokenizer
         if eos_token_id is None and tokenizer is not None:
             eos_token_id = tokenizer.eos_token_id
@@ -104,7 +110,9 @@ class LLMEngine:
                     params: SamplingParams) -> None:
         """Validate and queue a request (InvalidRequest says why not); the next step admits it.
         Never waits for a running step."""
-        ids = self._validate(request_id, prompt, prompt_token_ids, params)
+        ids = validate_request(request_id, prompt, prompt_token_ids, params, tokenizer=self.tokenizer,
+                               vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                               max_num_seqs=self.scheduler.max_num_seqs)
         seqs = []
         for index in range(params.n):
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index,
@@ -157,6 +165,7 @@ class LLMEngine:
         """Drop the KV of every running sequence (the cache is about to sleep); requests stay and
         are recomputed after wake with the same tokens. Returns how many sequences moved."""
         with self._lock:
+            self.drain()  # a batch in flight still writes the KV being dropped
             return self.scheduler.preempt_all()
 
     def drain_outputs(self) -> list[RequestOutput]:
@@ -167,63 +176,144 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._requests or self._pending or self._inbox)
+            return bool(self._requests or self._pending or self._inbox or self._in_flight)
 
     def num_unfinished(self) -> int:
         with self._lock:
             return len(self._requests) + len(self._inbox)
 
     # ---- the loop -----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    @property
+    def in_flight(self) -> bool:
+        """A step was launched whose tokens the next step() collects (overlap only)."""
+        return self._in_flight is not None
+
+    def step(self, launch: bool = True) -> list[RequestOutput]:
+        """Schedule and run one step; report every request that progressed.
+
+        With `overlap`, a step launches the next batch before it processes the previous one's
+        tokens (detokenize, stop strings, outputs), so that work runs while the device computes:
+        the outputs returned are those of the batch launched by the call before. `launch=False`
+        only finishes the batch in flight (pausing, draining)."""
         with self._lock:
             outputs, self._pending = self._pending, []
-            t0 = time.perf_counter()
-            self._admit()
-            batch = self.scheduler.schedule()
-            if batch.is_empty:
-                return outputs
-            self.num_steps += 1
-            decodes = sum(len(c.token_ids) == 1 for c in batch.plan.chunks)
-            kind = "decode" if decodes == len(batch.plan.chunks) else "prefill" if not decodes else "mixed"
-            self.step_kinds[kind] += 1
-            self.step_seconds["schedule"] += time.perf_counter() - t0
-            try:
-                sampled, nan_rows = self._run(batch, kind)
-            except Exception as exc:  # any executor failure ends the running requests, not the engine
-                self.num_failed_steps += 1
-                log.error("model execution failed", exc_info=exc)
-                running = dict.fromkeys(s.request_id for s in self.scheduler.running)
-                return outputs + self._fail(running, f"model execution failed: {type(exc).__name__}: {exc}")
-            t0 = time.perf_counter()
-            touched: dict[str, _Request] = {}
-            poisoned: dict[str, None] = {}
-            rows = self.scheduler.postprocess(batch, sampled.token_ids)
-            requests = self._requests
-            for i, (seq, token, logprobs) in enumerate(zip(rows, sampled.token_ids, sampled.logprobs)):
-                if nan_rows and i in nan_rows:
-                    seq.output_token_ids.pop()  # sampled from NaN: not a token of this request
-                    poisoned[seq.request_id] = None
-                    continue
-                if seq.logprobs is not None:
-                    seq.logprobs.append(logprobs)
-                self._after_token(seq, token)
-                rid = seq.request_id
-                if rid not in touched:
-                    touched[rid] = requests[rid]
-            if poisoned:
-                # Garbage in the model (stale memory, weights not loaded): say so, emit no token.
-                outputs += self._fail(poisoned, "the model returned NaN logits (weights or KV cache not valid?)")
-            wants = self.wants_progress
-            for req in touched.values():
-                if req.request_id in poisoned:
-                    continue
-                finished = req.finished
-                if finished or wants is None or wants(req.request_id):
-                    outputs.append(self._output(req, finished))
-                if finished:
-                    del self._requests[req.request_id]
-            self.step_seconds["postprocess"] += time.perf_counter() - t0
+            landed = None
+            if self._in_flight is not None:
+                prev, self._in_flight = self._in_flight, None
+                landed = self._land(prev, outputs)
+            failed = None
+            if launch:
+                failed = self._launch()
+            if landed:
+                outputs += self._report(landed)
+            if failed is None and not self.overlap and self._in_flight is not None:
+                cur, self._in_flight = self._in_flight, None
+                landed = self._land(cur, outputs)
+                if landed:
+                    outputs += self._report(landed)
+            if failed is not None:
+                outputs += self._fail_running(failed)
             return outputs
+
+    def drain(self) -> None:
+        """Finish the step in flight; its outputs are reported by the next step() or drain_outputs()."""
+        with self._lock:
+            if self._in_flight is not None:
+                self._pending += self.step(launch=False)
+
+    def _launch(self) -> Exception | None:
+        """Schedule the next batch and hand it to the executor (asynchronous on a GPU)."""
+        t0 = time.perf_counter()
+        self._admit()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return None
+        self.num_steps += 1
+        decodes = sum(len(c.token_ids) == 1 for c in batch.plan.chunks)
+        kind = "decode" if decodes == len(batch.plan.chunks) else "prefill" if not decodes else "mixed"
+        self.step_kinds[kind] += 1
+        t1 = time.perf_counter()
+        self.step_seconds["schedule"] += t1 - t0
+        try:
+            logits = self.execute(batch.plan)
+        except Exception as exc:  # any executor failure ends the running requests, not the engine
+            return exc
+        t2 = time.perf_counter()
+        self.step_seconds["execute"] += t2 - t1
+        by_kind = self.execute_by_kind[kind]
+        by_kind[0] += t2 - t1
+        by_kind[1] = max(by_kind[1], t2 - t1)
+        self._in_flight = (batch, logits)
+        return None
+
+    def _fail_running(self, exc: Exception) -> list[RequestOutput]:
+        self.num_failed_steps += 1
+        log.error("model execution failed", exc_info=exc)
+        running = dict.fromkeys(s.request_id for s in self.scheduler.running)
+        return self._fail(running, f"model execution failed: {type(exc).__name__}: {exc}")
+
+    def _land(self, flight: tuple[ScheduledBatch, torch.Tensor | None],
+              outputs: list[RequestOutput]) -> list[tuple[Sequence, int, SequenceStatus | None]] | None:
+        """Sample a launched batch, append its tokens and retire what a token alone stops (so the
+        next schedule leaves those sequences out). Returns the rows for `_report`."""
+        batch, logits = flight
+        try:
+            sampled, nan_rows = self._sample(batch, logits)
+        except Exception as exc:
+            outputs += self._fail_running(exc)
+            return None
+        t0 = time.perf_counter()
+        rows = self.scheduler.postprocess(batch, sampled.token_ids)
+        landed = []
+        poisoned: dict[str, None] = {}
+        finish, eos, max_len = self.scheduler.finish, self.eos_token_id, self.max_model_len
+        for i, (seq, token, logprobs) in enumerate(zip(rows, sampled.token_ids, sampled.logprobs)):
+            if seq is None:  # aborted (or stopped by a string) while this batch ran
+                continue
+            if nan_rows and i in nan_rows:
+                seq.output_token_ids.pop()  # sampled from NaN: not a token of this request
+                poisoned[seq.request_id] = None
+                continue
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs)
+            status = token_stop(seq, token, eos, max_len)
+            if status is not None:
+                finish(seq, status)
+            landed.append((seq, token, status))
+        if poisoned:
+            # Garbage in the model (stale memory, weights not loaded): say so, emit no token.
+            outputs += self._fail(poisoned, "the model returned NaN logits (weights or KV cache not valid?)")
+        self.step_seconds["postprocess"] += time.perf_counter() - t0
+        return landed
+
+    def _report(self, landed: list) -> list[RequestOutput]:
+        """Detokenize the landed tokens, apply the stop strings, and build the outputs."""
+        t0 = time.perf_counter()
+        outputs = []
+        touched: dict[str, _Request] = {}
+        requests, finish = self._requests, self.scheduler.finish
+        for seq, token, status in landed:
+            rid = seq.request_id
+            req = requests.get(rid)
+            if req is None:  # failed (NaN, or the next launch) since it landed
+                continue
+            final = text_stop(seq, token, status)
+            if final is not None and final is not status:
+                if seq.status.is_finished:
+                    seq.status = final  # a length stop that a stop string completes
+                else:
+                    finish(seq, final)
+            if rid not in touched:
+                touched[rid] = req
+        wants = self.wants_progress
+        for req in touched.values():
+            finished = req.finished
+            if finished or wants is None or wants(req.request_id):
+                outputs.append(self._output(req, finished))
+            if finished:
+                del self._requests[req.request_id]
+        self.step_seconds["postprocess"] += time.perf_counter() - t0
+        return outputs
 
     def generate(self, requests: Iterable[str | list[int] | tuple[str | list[int], SamplingParams]],
                  params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -272,20 +362,16 @@ class LLMEngine:
                 "execute_seconds_by_kind": {k: {"total": round(t, 6), "max": round(m, 6)}
                                             for k, (t, m) in self.execute_by_kind.items()},
                 "weight_version": self.weight_version,
+                "async_output": self.overlap,
                 "tokenizer": None if self.tokenizer is None else "loaded",
                 "note": NO_TOKENIZER_NOTE if self.tokenizer is None else None,
             }
 
     # ---- internals ----------------------------------------------------------------
-    def _run(self, batch: ScheduledBatch, kind: str) -> tuple[SamplerOutput, set[int]]:
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> tuple[SamplerOutput, set[int]]:
+        """Sample the batch's logits rows (waits for the device); also the rows that were NaN."""
         rows = batch.sampled_seqs
         t0 = time.perf_counter()
-        logits = self.execute(batch.plan)
-        t1 = time.perf_counter()
-        self.step_seconds["execute"] += t1 - t0
-        by_kind = self.execute_by_kind[kind]
-        by_kind[0] += t1 - t0
-        by_kind[1] = max(by_kind[1], t1 - t0)
         if logits is None and not rows:  # a step of partial prefill chunks only: nothing to sample
             return SamplerOutput([], []), set()
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -294,7 +380,7 @@ class LLMEngine:
         nan = torch.isnan(logits).any(dim=-1)  # read after sampling: one wait for the device, not two
         out = self.sampler(logits, [s.params for s in rows], [s.generator for s in rows])
         nan_rows = {i for i, bad in enumerate(nan.tolist()) if bad}
-        self.step_seconds["sample"] += time.perf_counter() - t1
+        self.step_seconds["sample"] += time.perf_counter() - t0
         return out, nan_rows
 
     def _fail(self, request_ids: Iterable[str], message: str) -> list[RequestOutput]:
@@ -315,48 +401,6 @@ class LLMEngine:
         for seq in self._requests.pop(request_id).seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-
-    def _after_token(self, seq: Sequence, token: int) -> None:
-        """Detokenize the new token and retire the sequence if a stop rule fires (vLLM's order)."""
-        params = seq.params
-        delta = ""
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.add(token)
-            seq.output_text += delta
-        status = None
-        # Sequence.num_tokens / num_output_tokens inline: the properties cost ~0.2 ms a 256-stream step.
-        num_out = len(seq.output_token_ids)
-        if token == self.eos_token_id and not params.ignore_eos:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif params.stop_token_ids and token in params.stop_token_ids:
-            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif params.stop_list and self._stop_string(seq, len(delta)):
-            status = SequenceStatus.FINISHED_STOPPED
-        elif len(seq.prompt_token_ids) + num_out >= self.max_model_len or (
-                params.max_tokens is not None and num_out >= params.max_tokens):
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is None:
-            return
-        if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
-            seq.output_text += seq.detokenizer.flush()
-        self.scheduler.finish(seq, status)
-
-    @staticmethod
-    def _stop_string(seq: Sequence, delta_len: int) -> bool:
-        """Find a stop string that the new text completes; cut the text there."""
-        text, params = seq.output_text, seq.params
-        best: tuple[int, str] | None = None
-        for stop in params.stop_list:
-            # Only a match overlapping the new text is new; older text was checked before.
-            idx = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return False
-        idx, stop = best
-        seq.output_text = text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
-        seq.stop_reason = stop
-        return True
 
     def _output(self, req: _Request, finished: bool | None = None) -> RequestOutput:
         if finished is None:
@@ -386,38 +430,3 @@ class LLMEngine:
         prompt_ids = list(req.prompt_token_ids) if first else []
         return RequestOutput(req.request_id, req.prompt, prompt_ids, completions, finished, self.weight_version,
                              req.error, delta)
-
-    def _validate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                  params: SamplingParams) -> list[int]:
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequest("request_id must be a non-empty string")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if params.n > self.scheduler.max_num_seqs:
-            raise InvalidRequest(f"n={params.n} is larger than max_num_seqs={self.scheduler.max_num_seqs}")
-        if params.stop_list and self.tokenizer is None:
-            raise InvalidRequest(f"stop strings need a tokenizer; {NO_TOKENIZER_NOTE} - use stop_token_ids")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise InvalidRequest("either prompt or prompt_token_ids is required")
-            if not isinstance(prompt, str):
-                raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}")
-            if self.tokenizer is None:
-                raise InvalidRequest(f"a text prompt needs a tokenizer; {NO_TOKENIZER_NOTE} - send prompt_token_ids")
-            if not prompt:
-                raise InvalidRequest("prompt is empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = prompt_token_ids
-            if not isinstance(ids, list | tuple) or any(type(t) is not int for t in ids):
-                raise InvalidRequest("prompt_token_ids must be a list of integers")
-        if not ids:
-            raise InvalidRequest("prompt is empty")
-        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                                 f"room to generate (the prompt must be shorter than max_model_len)")
-        return list(ids)

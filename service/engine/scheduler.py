@@ -141,20 +141,27 @@ class Scheduler:
 
         return ScheduledBatch(StepPlan(chunks), scheduled, preempted)
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence | None]:
         """Record the step's computed KV and append one sampled token per logits row.
 
-        Returns the sequences that got a new token, in row order. Stopping is the engine's call
+        Returns, in row order, the sequences that got a new token; None for one no longer running
+        (retired while an overlapped step ran: its row is dropped). Stopping is the engine's call
         (it needs the detokenized text); it retires sequences through `finish`.
         """
         sampled = batch.sampled_seqs
         if len(sampled) != len(sampled_token_ids):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(sampled)} logits rows")
         for seq, chunk in zip(batch.seqs, batch.plan.chunks):
-            seq.num_computed_tokens += len(chunk.token_ids)
+            if seq.status is _RUNNING:
+                seq.num_computed_tokens += len(chunk.token_ids)
+        rows: list[Sequence | None] = []
         for seq, token in zip(sampled, sampled_token_ids):
-            seq.output_token_ids.append(token)
-        return sampled
+            if seq.status is _RUNNING:
+                seq.output_token_ids.append(token)
+                rows.append(seq)
+            else:
+                rows.append(None)
+        return rows
 
     # ---- helpers ------------------------------------------------------------------
     def _chunk(self, seq: Sequence, num_new: int) -> SeqChunk:

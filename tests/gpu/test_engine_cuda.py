@@ -128,6 +128,24 @@ def test_seeded_sampling_on_cuda_is_reproducible():
     assert all(0 <= t < 1024 for seq in a for t in seq)
 
 
+def test_async_output_gives_the_in_order_tokens():
+    """Outputs processed while the next step runs (the CUDA default) against steps in order, in
+    one process: the same batches run (length stops retire a sequence before the next launch),
+    so bf16 graphs give the same tokens; stop token ids end a request at the same token."""
+    stop = SamplingParams(temperature=0, max_tokens=STEPS, stop_token_ids=[t for t in range(4, 1024, 3)])
+    runs = {}
+    for mode in ("on", "off"):
+        llm = make_llm("cuda", "bfloat16", async_output=mode)
+        try:
+            assert llm.executor.rank0_call("engine_stats")["async_output"] is (mode == "on")
+            runs[mode] = tokens(generate(llm)), tokens(generate(llm, params=stop))
+        finally:
+            llm.shutdown()
+    assert runs["on"][0] == runs["off"][0], "async output changed the greedy tokens"
+    assert runs["on"][1] == runs["off"][1], "async output changed where stop token ids end the requests"
+    assert any(len(seq) < STEPS for seq in runs["on"][1]), "no request met a stop token id"
+
+
 def cycle_checks(llm: LLM, base, ptrs, graph_ids, what: str, run=generate) -> None:
     """After a sleep cycle: `run`'s tokens, pool addresses and graphs as before, graphs replayed."""
     g = graphs(llm)
