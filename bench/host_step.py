@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("schedule", "pack", "postprocess", "pickle", "unpickle", "total")
 
 
-def measure(args) -> dict:
+def measure(args, overlap: bool = False) -> dict:
     """ms a decode step for each phase (means over the steps), on the code under ROOT."""
     sys.path.insert(0, ROOT)
     import numpy as np
@@ -59,12 +59,24 @@ def measure(args) -> dict:
             t0 = time.perf_counter()
             cuda_graph.pack_decode(plan.chunks, len(plan.chunks), args.streams, width, block, buf, scratch)
             pack_s[0] += time.perf_counter() - t0
+        if args.device_ms:  # the device starts this step once the one before it is done
+            ready.append(max(time.perf_counter(), ready[-1] if ready else 0.0) + args.device_ms / 1e3)
         return logits[:sum(c.needs_logits for c in plan.chunks)]
+
+    ready: list[float] = []  # when each launched step's logits would be ready on the device
 
     engine = LLMEngine(model, tok, block_size=block, num_blocks=args.streams * per_seq + 16,
                        max_num_seqs=args.streams, max_num_batched_tokens=args.streams * args.prompt_len,
-                       max_model_len=args.prompt_len + args.steps, vocab_size=args.vocab)
+                       max_model_len=args.prompt_len + args.steps, vocab_size=args.vocab, overlap=overlap)
     engine.progress_deltas = True
+    if args.device_ms:
+        sample = engine.sampler
+
+        def wait_then_sample(*a):  # sampling reads the logits: the host waits for the device here
+            time.sleep(max(0.0, ready.pop(0) - time.perf_counter()))
+            return sample(*a)
+
+        engine.sampler = wait_then_sample
     gc.collect()  # as the rank actor and the controller do once started (`gc.freeze`)
     gc.freeze()
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
@@ -92,7 +104,28 @@ def measure(args) -> dict:
     ms = {"schedule": sec["schedule"], "pack": pack_s[0], "postprocess": sec["postprocess"], "pickle": dumps,
           "unpickle": loads}
     ms["total"] = wall - sec["execute"] + pack_s[0] - sec["sample"] + dumps + loads  # the sampler is the GPU's
+    ms["step"] = wall + dumps + loads  # the wall time of a step, device included (with --device-ms)
     return {k: v / steps * 1e3 for k, v in ms.items()} | {"steps": steps}
+
+
+def compare_overlap(args) -> None:
+    """Steps in order against async output processing, in this process, over a simulated device."""
+    runs: dict[str, list[dict]] = {"in_order": [], "async_output": []}
+    for r in range(args.rounds):
+        for name in runs:
+            runs[name].append(measure(args, overlap=name == "async_output"))
+            print(f"[host-step] round {r + 1}/{args.rounds} {name}: step {runs[name][-1]['step']:.2f} ms "
+                  f"(device {args.device_ms:g} ms)", flush=True)
+    med = {name: {p: statistics.median(x[p] for x in rs) for p in (*PHASES, "step")} for name, rs in runs.items()}
+    ratio = med["in_order"]["step"] / med["async_output"]["step"]
+    for name, m in med.items():
+        print(f"{name:13s} step {m['step']:.3f} ms  " + " ".join(f"{p} {m[p]:.3f}" for p in PHASES))
+    print(f"async output: a step {ratio:.3f}x shorter than in order (device {args.device_ms:g} ms a step, simulated)")
+    summary = {"args": vars(args), "median_ms": med, "in_order_over_async": ratio, "runs": runs}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    print("SUMMARY " + json.dumps({"median_ms": med, "in_order_over_async": ratio}))
 
 
 def worktree(rev: str) -> str:
@@ -110,9 +143,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--against", help="a git revision to measure in the same run")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="a device that takes this long a step (the sampler waits for it): the step's wall time "
+                         "with async output processing against steps in order, alternating --rounds times")
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.device_ms and not args.child:
+        compare_overlap(args)
+        return
     if args.child or not args.against:
         out = measure(args)
         print(json.dumps(out) if args.child else " ".join(f"{k} {v:.3f}" for k, v in out.items()), flush=True)

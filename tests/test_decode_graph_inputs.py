@@ -65,11 +65,11 @@ def test_engine_never_hands_out_the_scratch_block_or_row():
         seen_blocks, seen_rows = set(), set()
         execute = worker.execute
 
-        def spy(plan):
+        def spy(plan, **kw):
             for c in plan.chunks:
                 seen_blocks.update(c.block_table)
                 seen_rows.add(c.state_slot)
-            return execute(plan)
+            return execute(plan, **kw)
 
         worker.execute = spy
         prompts = [[(7 * i + j) % 1000 + 4 for j in range(3 + 5 * i)] for i in range(6)]

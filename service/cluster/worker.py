@@ -251,10 +251,10 @@ class RankWorker(RankWeights, RankRPC):
         if reason:
             raise EngineStateError(reason)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, defer_checks: bool = False) -> torch.Tensor | None:
         with self._exec_lock, torch.inference_mode():
             if self.decode_graphs is not None:
-                logits = self.decode_graphs.run(plan.chunks)
+                logits = self.decode_graphs.run(plan.chunks, check=not defer_checks)
                 if logits is not None:
                     return logits
             return self._eager_forward(plan.chunks, self.kv_caches)
@@ -277,9 +277,26 @@ class RankWorker(RankWeights, RankRPC):
     def execute_step(self, plan: StepPlan) -> torch.Tensor | None:
         """Rank 0: send the plan to every rank, then run it here too."""
         self.check_runnable()
+        self.collect_step()
         # TP 1 has no followers: the plan's binary form (~0.14 ms a step at batch 64) is not built.
         message = encode_message("step", plan) if self.world_size > 1 else None
-        return self._lead(message, lambda: self.execute(plan))
+        # Overlapped (async output), the engine reads the collectives' errors in collect_step.
+        return self._lead(message, lambda: self.execute(plan, defer_checks=self.config.overlap_outputs))
+
+    def collect_step(self) -> None:
+        """Rank 0, before its logits are read: raise (every rank re-armed) if a collective of the
+        last replay gave up. A no-op unless execute_step deferred the check."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.unchecked:
+            return
+        with self._plan_lock:
+            try:
+                graphs.check()
+            except Exception as e:
+                err = self._recover(e)
+                if err is e:
+                    raise
+                raise err from e
 
     def _lead(self, message, run):
         """Rank 0: broadcast a plan or probe, then run it. A failure on any rank re-arms every

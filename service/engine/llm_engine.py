@@ -53,8 +53,11 @@ class LLMEngine:
     def __init__(self, execute: Callable[[StepPlan], torch.Tensor], tokenizer: Tokenizer | None, *,
                  block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_id: int | None = None, vocab_size: int | None = None,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, collect: Callable[[], None] | None = None) -> None:
         self.execute = execute
+        # Called before a launched step's logits are read: raises what the step's launch left
+        # unchecked (the worker's deferred collective error words), failing its requests.
+        self.collect = collect
         # Process a step's outputs while the next step runs (vLLM's async output processing): worth
         # it where `execute` returns before the device finishes (CUDA), a step later elsewhere.
         self.overlap = overlap
@@ -258,6 +261,8 @@ class LLMEngine:
         next schedule leaves those sequences out). Returns the rows for `_report`."""
         batch, logits = flight
         try:
+            if self.collect is not None:
+                self.collect()
             sampled, nan_rows = self._sample(batch, logits)
         except Exception as exc:
             outputs += self._fail_running(exc)

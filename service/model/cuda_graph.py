@@ -210,6 +210,7 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self._checks = collective_checks(model)
+        self.unchecked = False  # a replay whose error words nobody has read yet
         if compile_layers is None:
             compile_layers = fusion.layers_enabled()
         self.compiled = (fusion.CompiledForward("decoder_layer", dynamic=True, **pdl.inductor_options(device))
@@ -298,7 +299,9 @@ class DecodeGraphs:
     def batch_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+    def run(self, chunks: list[SeqChunk], check: bool = True) -> torch.Tensor | None:
+        """check=False leaves the collectives' error words to `check()`: reading them waits for the
+        replay, which an engine overlapping its host work with the step must not do at launch."""
         if not graphable(chunks, self.max_batch, self.width, self.block_size):
             return None
         b = self.batch_for(len(chunks))
@@ -310,9 +313,17 @@ class DecodeGraphs:
         self.replays += 1
         # A copy: the graph's output buffer is overwritten by the next replay.
         logits = self.logits[b][: len(chunks)].clone()
-        for check in self._checks:  # a collective's kernel that gave up recorded why in its err
-            check()
+        self.unchecked = True
+        if check:
+            self.check()
         return logits
+
+    def check(self) -> None:
+        """Raise if a collective's kernel in the last replay gave up (it recorded why in its err)."""
+        if self.unchecked:
+            self.unchecked = False
+            for check in self._checks:
+                check()
 
     def stats(self) -> dict:
         compiled = None
