@@ -498,3 +498,20 @@ def test_progress_deltas_rebuild_the_whole_outputs():
             assert whole[d.request_id].outputs == p.outputs
             assert whole[d.request_id].prompt_token_ids == p.prompt_token_ids
     assert sent_delta, "no progress output was a delta"
+
+
+def test_preempt_all_collects_the_step_in_flight_and_reports_each_output_once(solo_outputs):
+    engine, _ = make_engine()
+    engine.add_request("a", PROMPTS[0], None, PARAMS[0])
+    engine.add_request("b", PROMPTS[1], None, PARAMS[1])
+    engine.step()
+    engine.step()
+    engine.abort_request("b")  # its abort output waits in the pending list
+    assert engine.preempt_all() == 1 and not engine.in_flight
+    outs = engine.drain_outputs()
+    ids = [o.request_id for o in outs]
+    assert ids.count("b") == 1 and len(ids) == len(set(ids)), ids
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert tokens(final["a"]) == tokens(solo_outputs[0])

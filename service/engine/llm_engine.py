@@ -31,7 +31,6 @@ from .validate import NO_TOKENIZER_NOTE, validate_request
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(eq=False)
 class _Request:
     request_id: str
@@ -222,7 +221,8 @@ class LLMEngine:
         """Finish the step in flight; its outputs are reported by the next step() or drain_outputs()."""
         with self._lock:
             if self._in_flight is not None:
-                self._pending += self.step(launch=False)
+                outputs = self.step(launch=False)  # takes the pending outputs too
+                self._pending += outputs
 
     def _launch(self) -> Exception | None:
         """Schedule the next batch and hand it to the executor (asynchronous on a GPU)."""
