@@ -510,8 +510,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # chosen experts' scores reloaded from their logits after the top-k (moe_select.launch_options).
              "select_1_warp": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1"},
              "select_lean": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1"},
-             # Candidate, not yet timed: from two rows the latent norm inside the experts' slot-sum kernel.
-             "slot_norm": {"LATENTSERVE_MOE_SLOT_NORM": "1"},
+             # The latent norm as a kernel of its own after the experts' slot sum (the default before
+             # 2026-12-06; runs 53 and 58 timed the fused form at 0.99-1.01x, a launch a layer fewer).
+             "slot_norm_off": {"LATENTSERVE_MOE_SLOT_NORM": "0"},
              # Candidate, not yet timed: q's rope inside the MLA decode kernel in decode-only steps.
              "rope_in_decode": {"LATENTSERVE_MLA_ROPE_IN_DECODE": "1"},
              # Candidate, not yet timed: the MLA absorb kernels' tiles above 16 rows by the fewest

@@ -290,7 +290,7 @@ class MoE(nn.Module):
 
     def _normed_routed(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        norm: torch.Tensor | None) -> torch.Tensor | None:
-        """TP 1 from two rows (LATENTSERVE_MOE_SLOT_NORM=1, not yet timed): the experts' outputs
+        """TP 1 from two rows (LATENTSERVE_MOE_SLOT_NORM, on by default): the experts' outputs
         summed and latent-normed (weight `norm`) in one kernel (moe_slot_sum_norm), where the norm
         was a kernel of its own before the paired GEMV (one row keeps the pair norm); else None."""
         if not (moe_kernels.slot_norm_enabled() and self.tp.world_size == 1 and norm is not None

@@ -192,15 +192,16 @@ def test_slot_sum_norm_equals_the_sum_then_rms_norm(dtype, m, top_k, width):
 
 @pytest.mark.parametrize("dtype,tokens", [(torch.float32, 5), (torch.bfloat16, 8), (torch.bfloat16, 40)])
 def test_latent_moe_with_the_norm_in_the_slot_sum(dtype, tokens, monkeypatch, spy):
-    """LATENTSERVE_MOE_SLOT_NORM=1: from two tokens the latent MoE's norm runs in the experts'
-    slot-sum kernel (GEMV experts' parts at 5 tokens in fp32, the grouped GEMM's in bf16) with
-    the layer's output unchanged."""
+    """LATENTSERVE_MOE_SLOT_NORM=1 (the default): from two tokens the latent MoE's norm runs in the
+    experts' slot-sum kernel (GEMV experts' parts at 5 tokens in fp32, the grouped GEMM's in bf16)
+    with the layer's output that of the norm as a kernel of its own (=0)."""
     from test_moe_entry import latent_moe_layer
 
     skip_interpreted_16bit_dot(dtype)
     layer, x = latent_moe_layer("k3-tiny", dtype)
     x = torch.randn(tokens, x.shape[1], generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
     with torch.no_grad():
+        monkeypatch.setenv("LATENTSERVE_MOE_SLOT_NORM", "0")
         ref = layer(x)
         monkeypatch.setenv("LATENTSERVE_MOE_SLOT_NORM", "1")
         calls = spy(torch.ops.latentserve, "moe_slot_sum_norm")
