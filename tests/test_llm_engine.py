@@ -155,6 +155,9 @@ def test_continuous_batching_matches_solo_runs(solo_outputs):
     for kind, n in stats["step_kinds"].items():
         assert (by_kind[kind]["total"] >= by_kind[kind]["max"] > 0) if n else by_kind[kind]["total"] == 0, kind
     assert stats["step_kinds"]["mixed"] > 0
+    # Overlapped, most decode steps are scheduled while the step before them runs.
+    assert stats["steps_scheduled_ahead"] > stats["step_kinds"]["decode"] // 2 if OVERLAP[0] else \
+        stats["steps_scheduled_ahead"] == 0
 
 
 def test_preemption_by_recompute_completes_identically(solo_outputs):

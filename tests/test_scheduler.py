@@ -181,3 +181,46 @@ def test_postprocess_checks_row_count():
     b = s.schedule()
     with pytest.raises(ValueError, match="logits rows"):
         s.postprocess(b, [])
+
+
+def test_schedule_ahead_is_the_next_schedule_with_placeholders():
+    """While a decode step runs, the next one: the same chunks schedule() gives once the step's
+    tokens land (placeholders filled), without the sequence whose length ends, and blocks in place."""
+    s = sched(max_model_len=10)
+    a, b, c = seq(3), seq(4), seq(8)  # c reaches max_model_len with the running step's token
+    for x in (a, b, c):
+        s.add(x)
+    run_step(s)  # the prefills: one token each
+    flight = s.schedule()  # decodes at positions 3, 4, 8
+    ahead = s.schedule_ahead(flight)
+    assert [x.seq_id for x in ahead.seqs] == [a.seq_id, b.seq_id]
+    assert [(ch.token_ids, ch.start_pos) for ch in ahead.plan.chunks] == [([-1], 4), ([-1], 5)]
+    assert all(len(x.block_table) * 4 >= ch.start_pos + 1 for x, ch in zip(ahead.seqs, ahead.plan.chunks))
+    s.postprocess(flight, [11, 12, 13])
+    s.finish(c, SequenceStatus.FINISHED_LENGTH)
+    filled = s.fill_ahead(ahead)
+    assert [ch.token_ids for ch in filled.plan.chunks] == [[11], [12]]
+    again = s.schedule()  # what it stands in for: the same chunks, no block moved
+    assert [(ch.seq_id, ch.token_ids, ch.start_pos, ch.block_table) for ch in again.plan.chunks] == \
+        [(ch.seq_id, ch.token_ids, ch.start_pos, ch.block_table) for ch in filled.plan.chunks]
+
+
+def test_schedule_ahead_gives_way_to_admission_and_prefills():
+    s = sched(max_num_seqs=4)
+    a = seq(3)
+    s.add(a)
+    flight = s.schedule()
+    assert s.schedule_ahead(flight) is None  # a prefill in flight
+    s.postprocess(flight, [9])
+    flight = s.schedule()
+    assert s.schedule_ahead(flight) is not None
+    s.add(seq(2))
+    assert s.schedule_ahead(flight) is None  # a waiting request could be admitted
+    tight = sched(num_blocks=3, block_size=4, max_num_seqs=2, max_model_len=12)
+    x, y = seq(4), seq(3)
+    tight.add(x)
+    tight.add(y)
+    run_step(tight)  # one block each
+    flight = tight.schedule()  # x at position 4 takes the last free block; y stays in its first
+    assert tight.block_manager.num_free_blocks == 0
+    assert tight.schedule_ahead(flight) is None  # y at 4 would need one more: schedule() preempts

@@ -89,6 +89,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.num_steps = 0
         self.num_failed_steps = 0
+        self.num_steps_ahead = 0  # decode steps scheduled while the step before them ran (overlap)
         # Where a step's wall time goes, summed: scheduling, launching the model (asynchronous on
         # a GPU), waiting for its logits and sampling, and the outputs. On the H200 a decode
         # step's graph takes 5 ms; these say what the rest of a served step costs.
@@ -199,13 +200,18 @@ class LLMEngine:
         only finishes the batch in flight (pausing, draining)."""
         with self._lock:
             outputs, self._pending = self._pending, []
-            landed = None
+            landed = ahead = None
             if self._in_flight is not None:
                 prev, self._in_flight = self._in_flight, None
+                if launch:  # overlap only: the next decode step is scheduled while this one runs
+                    t0 = time.perf_counter()
+                    self._admit()  # new requests go first: no decode step ahead while they can be admitted
+                    ahead = self.scheduler.schedule_ahead(prev[0])
+                    self.step_seconds["schedule"] += time.perf_counter() - t0
                 landed = self._land(prev, outputs)
             failed = None
             if launch:
-                failed = self._launch()
+                failed = self._launch(ahead)
             if landed:
                 outputs += self._report(landed)
             if failed is None and not self.overlap and self._in_flight is not None:
@@ -224,11 +230,16 @@ class LLMEngine:
                 outputs = self.step(launch=False)  # takes the pending outputs too
                 self._pending += outputs
 
-    def _launch(self) -> Exception | None:
-        """Schedule the next batch and hand it to the executor (asynchronous on a GPU)."""
+    def _launch(self, ahead: ScheduledBatch | None = None) -> Exception | None:
+        """Schedule the next batch (or take `ahead`, its tokens filled in from the batch that just
+        landed) and hand it to the executor (asynchronous on a GPU)."""
         t0 = time.perf_counter()
-        self._admit()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.fill_ahead(ahead) if ahead is not None else None
+        if batch is not None:
+            self.num_steps_ahead += 1
+        else:
+            self._admit()
+            batch = self.scheduler.schedule()
         if batch.is_empty:
             return None
         self.num_steps += 1
@@ -368,6 +379,7 @@ class LLMEngine:
                                             for k, (t, m) in self.execute_by_kind.items()},
                 "weight_version": self.weight_version,
                 "async_output": self.overlap,
+                "steps_scheduled_ahead": self.num_steps_ahead,
                 "tokenizer": None if self.tokenizer is None else "loaded",
                 "note": NO_TOKENIZER_NOTE if self.tokenizer is None else None,
             }
@@ -435,3 +447,4 @@ class LLMEngine:
         prompt_ids = list(req.prompt_token_ids) if first else []
         return RequestOutput(req.request_id, req.prompt, prompt_ids, completions, finished, self.weight_version,
                              req.error, delta)
+

@@ -163,6 +163,47 @@ class Scheduler:
                 rows.append(None)
         return rows
 
+    def schedule_ahead(self, flight: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step of every running sequence while `flight` (a step of theirs, one
+        token each) still runs: what schedule() will give once its tokens land, if nothing is
+        admitted and nothing preempted; else None. Each chunk's token is a placeholder (-1) that
+        the engine fills from the landed step; it leaves out the sequences that step's length
+        stop retires. Appends the blocks now, so the next schedule() finds them in place."""
+        running = self.running
+        if ((self.waiting and len(running) < self.max_num_seqs) or len(running) > self.max_num_batched_tokens
+                or len(flight.seqs) != len(running)):
+            return None
+        bs, limit = self.block_manager.block_size, self.max_model_len
+        picked, need = [], 0
+        for seq, c in zip(flight.seqs, flight.plan.chunks):
+            pos = c.start_pos + 1  # the flight's token goes here
+            if seq.status is not _RUNNING or len(c.token_ids) != 1 or not c.needs_logits or pos != seq.num_tokens:
+                return None
+            max_tokens = seq.params.max_tokens
+            if pos + 1 >= limit or (max_tokens is not None and len(seq.output_token_ids) + 1 >= max_tokens):
+                continue  # the flight's token ends it (length)
+            need += max(0, -(-(pos + 1) // bs) - len(seq.block_table))
+            picked.append(seq)
+        if need > self.block_manager.num_free_blocks:
+            return None
+        chunks = []
+        for seq in picked:
+            self.block_manager.try_append(seq, 2)  # the flight's position and this step's
+            chunks.append(SeqChunk(seq.seq_id, [-1], seq.num_tokens, seq.block_table.copy(), True, seq.state_slot))
+        return ScheduledBatch(StepPlan(chunks), picked)
+
+    @staticmethod
+    def fill_ahead(ahead: ScheduledBatch) -> ScheduledBatch | None:
+        """`schedule_ahead`'s batch once the step before it landed: each placeholder set to the
+        token its sequence got, less the sequences that step retired; None if none is left."""
+        seqs, chunks = [], []
+        for seq, chunk in zip(ahead.seqs, ahead.plan.chunks):
+            if seq.status is _RUNNING and seq.num_computed_tokens == chunk.start_pos:
+                chunk.token_ids[0] = seq.output_token_ids[-1]
+                seqs.append(seq)
+                chunks.append(chunk)
+        return ScheduledBatch(StepPlan(chunks), seqs) if chunks else None
+
     # ---- helpers ------------------------------------------------------------------
     def _chunk(self, seq: Sequence, num_new: int) -> SeqChunk:
         start = seq.num_computed_tokens
