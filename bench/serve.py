@@ -193,8 +193,8 @@ def step_phases(before: dict, after: dict) -> dict:
     steps = after["steps"] - before["steps"]
     out = {"steps": steps, "kinds": {k: after["step_kinds"][k] - before["step_kinds"].get(k, 0)
                                      for k in after.get("step_kinds", {})}}
-    for key in ("graph_replays", "prefill_replays"):
-        if after.get(key) is not None:
+    for key in ("graph_replays", "prefill_replays", "steps_scheduled_ahead"):
+        if after.get(key) is not None and before.get(key) is not None:
             out[key] = after[key] - before[key]
     for k, v in after.get("step_seconds", {}).items():
         out[f"{k}_ms"] = (v - before["step_seconds"].get(k, 0.0)) / max(1, steps) * 1e3
