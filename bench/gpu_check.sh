@@ -113,8 +113,9 @@ if [ "$what" = fp8 ]; then  # FP8 decode against bf16 and against its wide-tile 
   group fp8_tests "$(left)" tests/gpu/test_fp8.py tests/gpu/test_moe_entry.py -k "linear or w8a8 or fp8"
 fi
 if [ "$what" = quick ]; then  # one call's worth when machines are scarce: the bench, then the GPU checks not yet run
-  group k3_tp 200 tests/gpu/test_k3_tp.py
-  group engine "$(left)" tests/gpu/test_prefill_graphs.py tests/gpu/test_engine_cuda.py
+  # The engine first: async output (the CUDA default since 2026-12-06) against in order, on CUDA.
+  group engine 200 tests/gpu/test_engine_cuda.py tests/gpu/test_prefill_graphs.py
+  group k3_tp "$(left)" tests/gpu/test_k3_tp.py
 fi
 if [ "$what" = serve_async ]; then  # served tok/s with a step's outputs processed during the next step, against in order
   OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline --baseline-args "--async-output off" \
