@@ -14,7 +14,7 @@
 # with its projections of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
 # `quick`: the bench without serving, then K3 at TP 2 and the engine's graph tests, in one call.
 # `serve_async`: HTTP serving at 64 and 256 streams with async output (the CUDA default), then
-# the same on a server with `--async-output off`, and the ratio.
+# the same on a server with `--async-output off`, and the ratio; then the engine's CUDA tests.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
@@ -118,10 +118,11 @@ if [ "$what" = quick ]; then  # one call's worth when machines are scarce: the b
   group k3_tp "$(left)" tests/gpu/test_k3_tp.py
 fi
 if [ "$what" = serve_async ]; then  # served tok/s with a step's outputs processed during the next step, against in order
-  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline --baseline-args "--async-output off" \
+  OUT="$OUT" timeout "$(( $(left) > 400 ? 380 : $(left) - 20 ))" bash bench/gpu_serve.sh serve --no-offline --baseline-args "--async-output off" \
     > "$OUT/serve_async.log" 2>&1
   echo "== serve_async rc=$?"
   grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
+  group engine "$(left)" tests/gpu/test_engine_cuda.py tests/gpu/test_prefill_graphs.py  # what is left of the call
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
