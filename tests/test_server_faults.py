@@ -22,10 +22,13 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
 TAIL_DEADLINE_S = 5
 
 
-@pytest.fixture(scope="module")
-def server(server_factory):
+# Both engine orders: in order (the CPU default) and async output (the CUDA default), where a failed
+# step surfaces when the next step collects it.
+@pytest.fixture(scope="module", params=["off", "on"], ids=["in_order", "async_output"])
+def server(server_factory, request):
     return server_factory("--enable-sleep-mode", "--sleep-preserve-parameter-names", "*", "--enable-test-hooks",
-                          "--tail-deadline-s", str(TAIL_DEADLINE_S), "--weight-snapshot", "host")
+                          "--tail-deadline-s", str(TAIL_DEADLINE_S), "--weight-snapshot", "host",
+                          "--async-output", request.param)
 
 
 @pytest.fixture(scope="module")
