@@ -3,7 +3,7 @@
 The engine never sees the model. Each `step()` asks the scheduler for a `StepPlan`, hands it to
 `execute(plan) -> fp32 logits [rows with needs_logits, vocab]` (the worker broadcasts it to the
 other ranks and runs the model), samples, detokenizes, applies the stop rules and reports every
-request that progressed with its cumulative output.
+request that progressed; with `overlap` (async output) after launching the step that follows.
 """
 
 from __future__ import annotations
