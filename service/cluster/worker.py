@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import NoReturn
 
 import torch
 
@@ -293,10 +294,7 @@ class RankWorker(RankWeights, RankRPC):
             try:
                 graphs.check()
             except Exception as e:
-                err = self._recover(e)
-                if err is e:
-                    raise
-                raise err from e
+                self._raise_recovered(e)
 
     def _lead(self, message, run):
         """Rank 0: broadcast a plan or probe, then run it. A failure on any rank re-arms every
@@ -310,10 +308,14 @@ class RankWorker(RankWeights, RankRPC):
                 self.tp.broadcast_ints(message)
                 return run()
             except Exception as e:
-                err = self._recover(e)
-                if err is e:
-                    raise
-                raise err from e
+                self._raise_recovered(e)
+
+    def _raise_recovered(self, error: Exception) -> NoReturn:
+        """Re-arm every rank after this rank's failed step, then raise what the step should raise."""
+        err = self._recover(error)
+        if err is error:
+            raise error
+        raise err from error
 
     def _recover(self, error: Exception | None):
         from .recovery import recover
