@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .plan import SeqChunk, StepPlan
 from .sequence import Sequence, SequenceStatus
+from .stop import length_reached
 
 # An Enum member read through its class costs ~0.2 us (this CPU); the loop reads it twice a sequence.
 _RUNNING = SequenceStatus.RUNNING
@@ -173,22 +174,21 @@ class Scheduler:
         if ((self.waiting and len(running) < self.max_num_seqs) or len(running) > self.max_num_batched_tokens
                 or len(flight.seqs) != len(running)):
             return None
-        bs, limit = self.block_manager.block_size, self.max_model_len
+        blocks = self.block_manager
         picked, need = [], 0
         for seq, c in zip(flight.seqs, flight.plan.chunks):
             pos = c.start_pos + 1  # the flight's token goes here
             if seq.status is not _RUNNING or len(c.token_ids) != 1 or not c.needs_logits or pos != seq.num_tokens:
                 return None
-            max_tokens = seq.params.max_tokens
-            if pos + 1 >= limit or (max_tokens is not None and len(seq.output_token_ids) + 1 >= max_tokens):
-                continue  # the flight's token ends it (length)
-            need += max(0, -(-(pos + 1) // bs) - len(seq.block_table))
+            if length_reached(seq, len(seq.output_token_ids) + 1, self.max_model_len):
+                continue  # the flight's token ends it
+            need += blocks.blocks_missing(seq, pos + 1)
             picked.append(seq)
-        if need > self.block_manager.num_free_blocks:
+        if need > blocks.num_free_blocks:
             return None
         chunks = []
         for seq in picked:
-            self.block_manager.try_append(seq, 2)  # the flight's position and this step's
+            blocks.try_append(seq, 2)  # the flight's position and this step's
             chunks.append(SeqChunk(seq.seq_id, [-1], seq.num_tokens, seq.block_table.copy(), True, seq.state_slot))
         return ScheduledBatch(StepPlan(chunks), picked)
 

@@ -20,12 +20,14 @@ def token_stop(seq: Sequence, token: int, eos_token_id: int | None, max_model_le
     if params.stop_token_ids and token in params.stop_token_ids:
         seq.stop_reason = token
         return _STOPPED
+    return _LENGTH if length_reached(seq, len(seq.output_token_ids), max_model_len) else None
+
+
+def length_reached(seq: Sequence, num_out: int, max_model_len: int) -> bool:
+    """The length stop: the prompt and `num_out` output tokens fill max_model_len, or reach max_tokens."""
     # Sequence.num_tokens / num_output_tokens inline: the properties cost ~0.2 ms a 256-stream step.
-    num_out = len(seq.output_token_ids)
-    if len(seq.prompt_token_ids) + num_out >= max_model_len or (
-            params.max_tokens is not None and num_out >= params.max_tokens):
-        return _LENGTH
-    return None
+    max_tokens = seq.params.max_tokens
+    return len(seq.prompt_token_ids) + num_out >= max_model_len or (max_tokens is not None and num_out >= max_tokens)
 
 
 def text_stop(seq: Sequence, token: int, status: SequenceStatus | None) -> SequenceStatus | None:
