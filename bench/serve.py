@@ -297,7 +297,7 @@ def print_report(loads: list[dict], overhead: dict, args) -> None:
         print(f"\nLoad: {load['clients']} clients, {load['requests']} requests x {args.max_tokens} tokens "
               f"(prompt {args.prompt_len}), {load['errors']} errors, {load['wall_s']:.1f} s")
         line = f"throughput: {load['tokens_per_s']:.1f} output tokens/s, {load['requests_per_s']:.2f} requests/s"
-        if "over_baseline" in load:
+        if load.get("over_baseline") is not None:
             line += (f"; with {' '.join(load['baseline_args'])}: {load['baseline_tokens_per_s']:.1f} tokens/s -> "
                      f"{load['over_baseline']:.3f}x")
         if "offline_tokens_per_s" in load:
@@ -376,9 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_levels(args, argv_serve: list[str] | None, levels, prompts) -> tuple[list[dict], dict, bool]:
-    """Start the server (unless --url), warm it, run each load level; (loads, sleep/wake overhead,
-    whether this run started the server)."""
+def run_levels(args, argv_serve: list[str] | None, levels, prompts) -> tuple[list[dict], dict]:
+    """Start the server (unless --url), warm it, run each load level; (loads, sleep/wake overhead)."""
     server = None
     if args.url:
         url, key = args.url, args.admin_key
@@ -408,7 +407,7 @@ def run_levels(args, argv_serve: list[str] | None, levels, prompts) -> tuple[lis
     finally:
         if server is not None:
             server.stop()
-    return loads, overhead, server is not None
+    return loads, overhead
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,19 +415,20 @@ def main(argv: list[str] | None = None) -> int:
     levels = [(c, args.requests or 4 * c) for c in args.clients]
     prompts = make_prompts(max(n for _, n in levels), args.prompt_len)
     argv_serve = None if args.url else server_args(args) + shlex.split(args.serve_args or "")
-    loads, overhead, started = run_levels(args, argv_serve, levels, prompts)
+    loads, overhead = run_levels(args, argv_serve, levels, prompts)
     if args.baseline_args:  # the same load on a second server with these options, in this run
         extra = shlex.split(args.baseline_args)
-        base_loads, _, _ = run_levels(argparse.Namespace(**{**vars(args), "cycles": 0}), argv_serve + extra,
-                                      levels, prompts)
+        base_loads, _ = run_levels(argparse.Namespace(**{**vars(args), "cycles": 0}), argv_serve + extra,
+                                   levels, prompts)
         for load, base in zip(loads, base_loads):
             load["baseline_args"] = extra
             load["baseline_tokens_per_s"] = base["tokens_per_s"]
             load["over_baseline"] = load["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
             load["baseline_itl"], load["baseline_ttft"] = base["itl"], base["ttft"]
-            load["baseline_engine_steps"] = base.get("engine_steps")
-            log(f"{load['clients']} clients: {load['tokens_per_s']:.1f} tokens/s against {base['tokens_per_s']:.1f} "
-                f"with {args.baseline_args!r}: {load['over_baseline']:.3f}x")
+            load["baseline_engine_steps"], load["baseline_errors"] = base.get("engine_steps"), base["errors"]
+            if load["over_baseline"] is not None:
+                log(f"{load['clients']} clients: {load['tokens_per_s']:.1f} tokens/s against {base['tokens_per_s']:.1f} "
+                    f"with {args.baseline_args!r}: {load['over_baseline']:.3f}x")
     if args.offline:
         done = [(load["clients"], load["requests"]) for load in loads if load["requests"]]
         offline = offline_baseline(argv_serve, done, prompts, args.max_tokens)
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                 load["offline_engine_steps"] = base["engine_steps"]
     print_report(loads, overhead, args)
     summary = {"device": args.device, "model": args.model, "layers": args.layers, "tp": args.tp,
-               "server_args": argv_serve if started else None, "loads": loads, "sleep_wake": overhead,
+               "server_args": argv_serve, "loads": loads, "sleep_wake": overhead,
                "args": {k: v for k, v in vars(args).items() if k != "admin_key"}}
     if args.json:
         with open(args.json, "w") as f:
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_tokens_per_s", "over_baseline")}
         for load in loads]}
     print("SUMMARY " + json.dumps(brief), flush=True)
-    return 0 if not any(load["errors"] for load in loads) else 1
+    return 0 if not any(load["errors"] or load.get("baseline_errors") for load in loads) else 1
 
 
 if __name__ == "__main__":
