@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.device_ms and args.against:
+        ap.error("--device-ms compares the two engine orders of this tree in one process; it takes no --against")
     if args.device_ms and not args.child:
         compare_overlap(args)
         return
