@@ -13,15 +13,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .block_manager import BlockManager
 from .plan import StepPlan
+from .request import Request, build_output
 from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus, make_generator
@@ -31,29 +31,16 @@ from .validate import NO_TOKENIZER_NOTE, validate_request
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        for seq in self.seqs:
-            if not seq.is_finished:
-                return False
-        return True
-
-
 class LLMEngine:
     def __init__(self, execute: Callable[[StepPlan], torch.Tensor], tokenizer: Tokenizer | None, *,
                  block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_id: int | None = None, vocab_size: int | None = None,
-                 overlap: bool = False, collect: Callable[[], None] | None = None) -> None:
+                 overlap: bool = False, collect: Callable[[], None] | None = None,
+                 prepare: Callable[[StepPlan], object] | None = None) -> None:
         self.execute = execute
+        # Called with a decode step scheduled ahead (token ids still placeholders) while the step
+        # before it runs: the worker packs its graph inputs, all but the ids, off the critical path.
+        self.prepare = prepare
         # Called before a launched step's logits are read: raises what the step's launch left
         # unchecked (the worker's deferred collective error words), failing its requests.
         self.collect = collect
@@ -75,13 +62,13 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.sampler = Sampler()
         self.weight_version = 0  # set by the worker after a weight update; tags every output
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         # New requests wait here, under their own short lock, until the next step admits them:
         # add_request must not wait for a running step (which holds _lock through the model's
         # forward and the wait for its logits). Behind the step lock, the H200's HTTP clients'
         # adds and the output polls queued for whole steps: TTFT p50 2.6 s at 64 streams, 11.8 s
         # at 256, with tokens reaching the streams in bursts (bench/RESULTS.md, 2026-12-03).
-        self._inbox: dict[str, _Request] = {}
+        self._inbox: dict[str, Request] = {}
         self._inbox_lock = threading.Lock()
         self._pending: list[RequestOutput] = []  # reported at the next step (aborts, foreign outputs)
         self._seq_ids = itertools.count()
@@ -128,7 +115,7 @@ class LLMEngine:
         with self._inbox_lock:
             if request_id in self._requests or request_id in self._inbox:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use")
-            self._inbox[request_id] = _Request(request_id, prompt, list(ids), params, seqs)
+            self._inbox[request_id] = Request(request_id, prompt, list(ids), params, seqs)
 
     def _admit(self) -> None:
         """Queued requests into the scheduler (under _lock). Under the inbox lock throughout, so
@@ -207,6 +194,8 @@ class LLMEngine:
                     t0 = time.perf_counter()
                     self._admit()  # new requests go first: no decode step ahead while they can be admitted
                     ahead = self.scheduler.schedule_ahead(prev[0])
+                    if ahead is not None and self.prepare is not None:
+                        self.prepare(ahead.plan)
                     self.step_seconds["schedule"] += time.perf_counter() - t0
                 landed = self._land(prev, outputs)
             failed = None
@@ -306,7 +295,7 @@ class LLMEngine:
         """Detokenize the landed tokens, apply the stop strings, and build the outputs."""
         t0 = time.perf_counter()
         outputs = []
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         requests, finish = self._requests, self.scheduler.finish
         for seq, token, status in landed:
             rid = seq.request_id
@@ -419,32 +408,6 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
-    def _output(self, req: _Request, finished: bool | None = None) -> RequestOutput:
-        if finished is None:
-            finished = req.finished
-        delta = self.progress_deltas and not finished
-        first = not delta or all(seq.reported == (0, 0) for seq in req.seqs)
-        # The tail might be the start of a stop string that a later token completes: holding it
-        # back keeps streamed text from ever shrinking.
-        stops = req.params.stop_list
-        hold = max(len(s) for s in stops) - 1 if stops and self.tokenizer is not None else 0
-        has_text = self.tokenizer is not None
-        completions = []
-        for seq in req.seqs:
-            text = None
-            if has_text:
-                text = seq.output_text
-                if hold and not seq.is_finished:
-                    text = text[:max(0, len(text) - hold)]
-            tokens, chars = seq.reported if delta else (0, 0)
-            out_ids = seq.output_token_ids
-            if delta:
-                seq.reported = (len(out_ids), len(text) if has_text else 0)
-            completions.append(CompletionOutput(
-                seq.index, None if text is None else text[chars:], out_ids[tokens:],
-                seq.logprobs[tokens:] if seq.logprobs is not None else None,
-                seq.status.finish_reason, seq.stop_reason))
-        prompt_ids = list(req.prompt_token_ids) if first else []
-        return RequestOutput(req.request_id, req.prompt, prompt_ids, completions, finished, self.weight_version,
-                             req.error, delta)
-
+    def _output(self, req: Request, finished: bool | None = None) -> RequestOutput:
+        return build_output(req, req.finished if finished is None else finished, deltas=self.progress_deltas,
+                            has_text=self.tokenizer is not None, weight_version=self.weight_version)
