@@ -44,6 +44,34 @@ def test_pack_decode_writes_state_rows_and_pads_on_the_scratch():
     assert f2[STATE].tolist() == [2, 0, 5, SCRATCH[1]] and f2[IDS, :2].tolist() == [11, 12]
 
 
+def test_inputs_prepared_ahead_equal_a_fresh_pack_once_their_ids_are_in():
+    """A step packed ahead with placeholder ids, then its ids filled in place: `pack` writes only
+    the ids and the buffer equals a fresh pack; any other chunk list (a row dropped, a probe in
+    between) is packed whole."""
+    waits = []
+    buf = np.full(cuda_graph.buffer_len(MAX, WIDTH), -1, dtype=np.int64)
+    host = cuda_graph.DecodeInputs(buf, [1, 2, 4], WIDTH, BS, SCRATCH, before_write=lambda: waits.append(1))
+    ahead = [SeqChunk(0, [-1], 5, [3, 9], state_slot=2), SeqChunk(1, [-1], 0, [4], state_slot=0),
+             SeqChunk(2, [-1], 12, [1, 2, 6, 8], state_slot=5)]
+    assert host.prepare(ahead) and len(waits) == 1
+    for c, t in zip(ahead, (11, 12, 13)):
+        c.token_ids[0] = t
+    assert host.pack(ahead) == 4 and host.prepared_packs == 1 and len(waits) == 1
+    want = np.full_like(buf, -1)
+    cuda_graph.pack_decode(ahead, 4, MAX, WIDTH, BS, want, SCRATCH)
+    assert np.array_equal(buf, want)
+    # Prepared once only: the same list again is packed whole (nothing says only ids changed).
+    assert host.prepare(ahead)
+    kept = ahead[:2]  # a row retired while the step before ran
+    assert host.pack(kept) == 2 and host.prepared_packs == 1
+    cuda_graph.pack_decode(kept, 2, MAX, WIDTH, BS, want, SCRATCH)
+    assert np.array_equal(buf, want)
+    assert host.pack(ahead) == 4 and host.prepared_packs == 1
+    # Not graphable (a prefill chunk): nothing prepared, and pack says so.
+    prefill = [SeqChunk(3, [1, 2], 0, [5])]
+    assert not host.prepare(prefill) and host.pack(prefill) is None
+
+
 def test_capture_inputs_are_all_scratch():
     buf = np.zeros(cuda_graph.buffer_len(MAX, WIDTH), dtype=np.int64)
     cuda_graph.fill_scratch(buf, 0, MAX, MAX, WIDTH, BS, SCRATCH)

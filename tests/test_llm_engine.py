@@ -518,3 +518,30 @@ def test_preempt_all_collects_the_step_in_flight_and_reports_each_output_once(so
     while engine.has_unfinished():
         final.update({o.request_id: o for o in engine.step() if o.finished})
     assert tokens(final["a"]) == tokens(solo_outputs[0])
+
+
+def test_steps_prepared_ahead_are_the_steps_executed(solo_outputs):
+    """The `prepare` hook (the worker packs graph inputs ahead) gets each step scheduled ahead
+    with placeholder ids; `execute` then gets that very plan, ids filled in, unless the step
+    before it retired a sequence (a new plan then). In order, nothing is prepared."""
+    prepared: list[tuple[StepPlan, list]] = []
+    engine, model = make_engine(prepare=lambda plan: prepared.append((plan, [c.token_ids[0] for c in plan.chunks])))
+    outs = engine.generate(list(zip(PROMPTS, PARAMS)))
+    for i, ref in enumerate(solo_outputs):
+        assert tokens(outs[i]) == tokens(ref), f"request {i}"
+    if not OVERLAP[0]:
+        assert prepared == []
+        return
+    assert len(prepared) == engine.stats()["steps_scheduled_ahead"] > 0
+    assert all(set(ids) == {-1} for _, ids in prepared)
+    # Length stops are left out when the step is scheduled ahead: every prepared plan ran as is.
+    executed = {id(p) for p in model.plans}
+    assert all(id(p) in executed and -1 not in [c.token_ids[0] for c in p.chunks] for p, _ in prepared)
+    # A stop id ends a request only when its token lands: that step's plan is a new one.
+    stop_id = solo_outputs[0].outputs[0].token_ids[6]
+    prepared.clear()
+    model.plans.clear()
+    engine.generate([(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id])),
+                     (PROMPTS[5], PARAMS[5])])
+    executed = {id(p) for p in model.plans}
+    assert sum(id(p) not in executed for p, _ in prepared) == 1

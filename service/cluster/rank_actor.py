@@ -37,6 +37,7 @@ class RankActor(RankWorker):
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len, eos_token_id=cfg.model_config.eos_token_id,
             vocab_size=cfg.model_config.vocab_size, overlap=cfg.overlap_outputs, collect=self.collect_step,
+            prepare=self.prepare_step,
         )
         self.loop = EngineLoop(engine, lambda: self.weight_version, self.refusal)
 

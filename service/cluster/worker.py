@@ -284,6 +284,13 @@ class RankWorker(RankWeights, RankRPC):
         # Overlapped (async output), the engine reads the collectives' errors in collect_step.
         return self._lead(message, lambda: self.execute(plan, defer_checks=self.config.overlap_outputs))
 
+    def prepare_step(self, plan: StepPlan) -> None:
+        """Rank 0, overlapped: pack a decode step scheduled ahead into the graphs' staging buffer,
+        all but its token ids, while the step before it runs (`DecodeInputs.prepare`)."""
+        if self.decode_graphs is not None:
+            with self._exec_lock:
+                self.decode_graphs.prepare(plan.chunks)
+
     def collect_step(self) -> None:
         """Rank 0, before its logits are read: raise (every rank re-armed) if a collective of the
         last replay gave up. A no-op unless execute_step deferred the check."""

@@ -169,7 +169,8 @@ class Scheduler:
         token each) still runs: what schedule() will give once its tokens land, if nothing is
         admitted and nothing preempted; else None. Each chunk's token is a placeholder (-1) that
         the engine fills from the landed step; it leaves out the sequences that step's length
-        stop retires. Appends the blocks now, so the next schedule() finds them in place."""
+        stop retires (None if that is all of them). Appends the blocks now, so the next
+        schedule() finds them in place."""
         running = self.running
         if ((self.waiting and len(running) < self.max_num_seqs) or len(running) > self.max_num_batched_tokens
                 or len(flight.seqs) != len(running)):
@@ -184,7 +185,7 @@ class Scheduler:
                 continue  # the flight's token ends it
             need += blocks.blocks_missing(seq, pos + 1)
             picked.append(seq)
-        if need > blocks.num_free_blocks:
+        if not picked or need > blocks.num_free_blocks:
             return None
         chunks = []
         for seq in picked:
@@ -202,6 +203,8 @@ class Scheduler:
                 chunk.token_ids[0] = seq.output_token_ids[-1]
                 seqs.append(seq)
                 chunks.append(chunk)
+        if len(chunks) == len(ahead.plan.chunks):
+            return ahead  # the same chunk list: graph inputs packed ahead for it stay valid
         return ScheduledBatch(StepPlan(chunks), seqs) if chunks else None
 
     # ---- helpers ------------------------------------------------------------------

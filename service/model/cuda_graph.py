@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -109,6 +110,52 @@ def pack_decode(chunks: list[SeqChunk], batch: int, max_batch: int, width: int, 
         tables[rows, cols] = list(itertools.chain.from_iterable(t[:k] for t, k in zip(tabs, blocks)))
     if batch > len(chunks):
         fill_scratch(buf, len(chunks), batch, max_batch, width, block_size, scratch)
+
+
+class DecodeInputs:
+    """The host side of the decode graphs' inputs: one int64 buffer (`buffer_len` long) that a
+    step packs (`pack`), or that `prepare` packs ahead, all but the token ids, while the step
+    before it still runs (async output: at 256 streams the block tables are most of the ~0.36 ms
+    pack, bench/host_step.py). `before_write` waits until the last copy has left the buffer."""
+
+    def __init__(self, buf: np.ndarray, sizes: list[int], width: int, block_size: int,
+                 scratch: tuple[int, int], before_write: Callable[[], None] = lambda: None):
+        self.buf, self.sizes, self.width, self.block_size = buf, sizes, width, block_size
+        self.max_batch = sizes[-1]
+        self.scratch = scratch
+        self.before_write = before_write
+        self._prepared: list[SeqChunk] | None = None  # the chunk list the buffer holds but for its ids
+        self.prepared_packs = 0
+
+    def batch_for(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def prepare(self, chunks: list[SeqChunk]) -> bool:
+        """Pack a step whose token ids are not known yet; `pack` of the same list (ids filled in
+        place) then writes only the ids. False if the step is not graphable."""
+        self._prepared = None
+        if not graphable(chunks, self.max_batch, self.width, self.block_size):
+            return False
+        self.before_write()
+        pack_decode(chunks, self.batch_for(len(chunks)), self.max_batch, self.width, self.block_size,
+                    self.buf, self.scratch)
+        self._prepared = chunks
+        return True
+
+    def pack(self, chunks: list[SeqChunk]) -> int | None:
+        """Pack a step's inputs; returns the graph batch, or None if the step is not graphable.
+        Only ids may change between `prepare(chunks)` and this: they are all it writes then."""
+        prepared, self._prepared = self._prepared, None
+        if chunks is prepared:
+            self.buf[IDS * self.max_batch: IDS * self.max_batch + len(chunks)] = [c.token_ids[0] for c in chunks]
+            self.prepared_packs += 1
+            return self.batch_for(len(chunks))
+        if not graphable(chunks, self.max_batch, self.width, self.block_size):
+            return None
+        b = self.batch_for(len(chunks))
+        self.before_write()
+        pack_decode(chunks, b, self.max_batch, self.width, self.block_size, self.buf, self.scratch)
+        return b
 
 
 def graphable(chunks: list[SeqChunk], max_batch: int, width: int, block_size: int) -> bool:
@@ -199,6 +246,9 @@ class DecodeGraphs:
         self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True)
         self._staging_np = self.staging.numpy()
         self._copied = torch.cuda.Event()
+        # Packing waits until the previous step's copy has left the staging buffer.
+        self.host = DecodeInputs(self._staging_np, self.sizes, self.width, block_size, scratch,
+                                 before_write=self._copied.synchronize)
         fields = self.inputs[: FIELDS * n].view(FIELDS, n)
         self.ids, self.positions, self.slots, self.context = fields[IDS], fields[POSITIONS], fields[SLOTS], fields[CONTEXT]
         self.state_slots = fields[STATE]
@@ -297,16 +347,19 @@ class DecodeGraphs:
             self.captures += 1
 
     def batch_for(self, n: int) -> int:
-        return next(s for s in self.sizes if s >= n)
+        return self.host.batch_for(n)
+
+    def prepare(self, chunks: list[SeqChunk]) -> bool:
+        """Pack a decode step scheduled ahead but for its token ids (`DecodeInputs.prepare`); its
+        `run` (the same chunk list, ids filled in) then writes only those."""
+        return self.host.prepare(chunks)
 
     def run(self, chunks: list[SeqChunk], check: bool = True) -> torch.Tensor | None:
         """check=False leaves the collectives' error words to `check()`: reading them waits for the
         replay, which an engine overlapping its host work with the step must not do at launch."""
-        if not graphable(chunks, self.max_batch, self.width, self.block_size):
+        b = self.host.pack(chunks)
+        if b is None:
             return None
-        b = self.batch_for(len(chunks))
-        self._copied.synchronize()  # the previous step's copy has left the staging buffer
-        pack_decode(chunks, b, self.max_batch, self.width, self.block_size, self._staging_np, self.scratch)
         self.inputs.copy_(self.staging, non_blocking=True)
         self._copied.record()
         self.graphs[b].replay()
@@ -330,6 +383,7 @@ class DecodeGraphs:
         if self.compiled is not None:
             compiled = {"ok": not self.compiled.broken, "calls": self.compiled.calls, "error": self.compiled.error}
         return {"batch_sizes": self.sizes, "captures": self.captures, "replays": self.replays,
+                "prepared_packs": self.host.prepared_packs,
                 "graph_ids": {b: id(g) for b, g in self.graphs.items()}, "compiled_layers": compiled}
 
 

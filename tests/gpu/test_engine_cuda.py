@@ -131,7 +131,8 @@ def test_seeded_sampling_on_cuda_is_reproducible():
 def test_async_output_gives_the_in_order_tokens():
     """Outputs processed while the next step runs (the CUDA default) against steps in order, in
     one process: the same batches run (length stops retire a sequence before the next launch),
-    so bf16 graphs give the same tokens; stop token ids end a request at the same token."""
+    so bf16 graphs give the same tokens; stop token ids end a request at the same token. The
+    steps scheduled ahead ran on graph inputs packed ahead of their token ids."""
     stop = SamplingParams(temperature=0, max_tokens=STEPS, stop_token_ids=[t for t in range(4, 1024, 3)])
     runs = {}
     for mode in ("on", "off"):
@@ -139,6 +140,8 @@ def test_async_output_gives_the_in_order_tokens():
         try:
             assert llm.executor.rank0_call("engine_stats")["async_output"] is (mode == "on")
             runs[mode] = tokens(generate(llm)), tokens(generate(llm, params=stop))
+            # Overlapped, the steps scheduled ahead ran on graph inputs packed ahead (all but the ids).
+            assert (graphs(llm).stats()["prepared_packs"] > 0) is (mode == "on")
         finally:
             llm.shutdown()
     assert runs["on"][0] == runs["off"][0], "async output changed the greedy tokens"
