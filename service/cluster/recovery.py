@@ -6,7 +6,8 @@ step, the fused tail's mailboxes holding unconsumed data and its flags out of st
 whose step fails calls `recover()`; a peer's request ends the other ranks' pending waits
 (`GroupResync`), so they call it too. Then, on every rank:
 
-1. `ShmGroup.resync`: all ranks out of their step, op counters agreed;
+1. `ShmGroup.resync`: all ranks out of their step, op counters agreed, the step plans' block
+   table deltas forgotten (`PlanCodec.reset`);
 2. the fused tail re-armed: own mailboxes refilled with sentinels and EMPTY tags, flags back to
    their initial values (the same epochs everywhere), the peer table as built;
 3. a barrier (no rank starts an exchange before every mailbox is clean), then one all-gather of
@@ -65,6 +66,9 @@ def recover(worker, error: BaseException | None) -> BaseException | None:
     t0 = time.perf_counter()
     try:
         shm.resync(join_deadline(worker))
+        # A message broadcast before the resync may be dropped unread: no rank assumes the
+        # others hold the last step's block tables (plan deltas) any more.
+        worker.plan_codec.reset()
         with worker._exec_lock:
             if worker.collective is not None and worker._flags_readable():
                 worker.collective.rearm()

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import torch
 
-from ..engine.plan import StepPlan, decode_message, encode_message
+from ..engine.plan import PlanCodec, StepPlan, encode_message
 from ..engine_config import EngineConfig
 from ..lifecycle import EngineStateError
 from ..log import get_logger
@@ -49,6 +49,7 @@ class RankWorker(RankWeights, RankRPC):
         self.same_node = True
         self._exec_lock = threading.Lock()
         self._plan_lock = threading.Lock()
+        self.plan_codec = PlanCodec()  # step plans as deltas: rank 0 encodes, the others decode
         self._fail_next_sleep = False
         self._follower_thread: threading.Thread | None = None
         self._probe_cv = threading.Condition()
@@ -279,8 +280,9 @@ class RankWorker(RankWeights, RankRPC):
         """Rank 0: send the plan to every rank, then run it here too."""
         self.check_runnable()
         self.collect_step()
-        # TP 1 has no followers: the plan's binary form (~0.14 ms a step at batch 64) is not built.
-        message = encode_message("step", plan) if self.world_size > 1 else None
+        # TP 1 has no followers: the plan's binary form is not built. Encoded inside _lead, after
+        # any recovery there, which resets what the codec assumes the followers hold.
+        message = (lambda: self.plan_codec.encode(plan)) if self.world_size > 1 else None
         # Overlapped (async output), the engine reads the collectives' errors in collect_step.
         return self._lead(message, lambda: self.execute(plan, defer_checks=self.config.overlap_outputs))
 
@@ -312,7 +314,7 @@ class RankWorker(RankWeights, RankRPC):
                 self._recover(None)
                 self.check_runnable()
             try:
-                self.tp.broadcast_ints(message)
+                self.tp.broadcast_ints(message() if callable(message) else message)
                 return run()
             except Exception as e:
                 self._raise_recovered(e)
@@ -334,7 +336,7 @@ class RankWorker(RankWeights, RankRPC):
         peer) is recovered from in place (recovery.py); rank 0 reports the error to clients."""
         while True:
             try:
-                kind, payload = decode_message(self.tp.broadcast_ints(None, wait_forever=True))
+                kind, payload = self.plan_codec.decode(self.tp.broadcast_ints(None, wait_forever=True))
             except Exception as e:  # a peer asked for a resync, or the channel broke
                 self._recover(e)
                 continue
