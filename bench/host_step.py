@@ -43,7 +43,10 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
     import torch
 
     from service.engine.llm_engine import LLMEngine
-    from service.model import cuda_graph
+    try:
+        from service.model import decode_inputs as cuda_graph
+    except ImportError:  # an older revision (--against): the host side was in cuda_graph
+        from service.model import cuda_graph
     from service.sampling_params import SamplingParams
     from service.tokenizer import build_tiny_tokenizer
 

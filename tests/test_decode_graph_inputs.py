@@ -13,8 +13,8 @@ import torch
 from service import LLM, SamplingParams
 from service.config import PRESETS
 from service.engine.plan import SeqChunk
-from service.model import cuda_graph
-from service.model.cuda_graph import CONTEXT, FIELDS, IDS, POSITIONS, SLOTS, STATE
+from service.model import cuda_graph, decode_inputs
+from service.model.decode_inputs import CONTEXT, FIELDS, IDS, POSITIONS, SLOTS, STATE
 
 BS, WIDTH, MAX = 4, 5, 4
 SCRATCH = (40, 7)  # (KV block, KDA state row)
@@ -27,8 +27,8 @@ def unpack(buf: np.ndarray):
 def test_pack_decode_writes_state_rows_and_pads_on_the_scratch():
     chunks = [SeqChunk(0, [11], 5, [3, 9], state_slot=2), SeqChunk(1, [12], 0, [4], state_slot=0),
               SeqChunk(2, [13], 12, [1, 2, 6, 8], state_slot=5)]
-    buf = np.full(cuda_graph.buffer_len(MAX, WIDTH), -1, dtype=np.int64)
-    cuda_graph.pack_decode(chunks, 4, MAX, WIDTH, BS, buf, SCRATCH)
+    buf = np.full(decode_inputs.buffer_len(MAX, WIDTH), -1, dtype=np.int64)
+    decode_inputs.pack_decode(chunks, 4, MAX, WIDTH, BS, buf, SCRATCH)
     fields, tables = unpack(buf)
     assert fields[IDS].tolist() == [11, 12, 13, 0]
     assert fields[POSITIONS].tolist() == [5, 0, 12, 0]
@@ -39,7 +39,7 @@ def test_pack_decode_writes_state_rows_and_pads_on_the_scratch():
     assert tables[3, 0] == SCRATCH[0]
     # No padding: the scratch is not touched, and a smaller step leaves rows past it alone.
     buf2 = buf.copy()
-    cuda_graph.pack_decode(chunks[:2], 2, MAX, WIDTH, BS, buf2, SCRATCH)
+    decode_inputs.pack_decode(chunks[:2], 2, MAX, WIDTH, BS, buf2, SCRATCH)
     f2, _ = unpack(buf2)
     assert f2[STATE].tolist() == [2, 0, 5, SCRATCH[1]] and f2[IDS, :2].tolist() == [11, 12]
 
@@ -49,8 +49,8 @@ def test_inputs_prepared_ahead_equal_a_fresh_pack_once_their_ids_are_in():
     the ids and the buffer equals a fresh pack; any other chunk list (a row dropped, a probe in
     between) is packed whole."""
     waits = []
-    buf = np.full(cuda_graph.buffer_len(MAX, WIDTH), -1, dtype=np.int64)
-    host = cuda_graph.DecodeInputs(buf, [1, 2, 4], WIDTH, BS, SCRATCH, before_write=lambda: waits.append(1))
+    buf = np.full(decode_inputs.buffer_len(MAX, WIDTH), -1, dtype=np.int64)
+    host = decode_inputs.DecodeInputs(buf, [1, 2, 4], WIDTH, BS, SCRATCH, before_write=lambda: waits.append(1))
     ahead = [SeqChunk(0, [-1], 5, [3, 9], state_slot=2), SeqChunk(1, [-1], 0, [4], state_slot=0),
              SeqChunk(2, [-1], 12, [1, 2, 6, 8], state_slot=5)]
     assert host.prepare(ahead) and len(waits) == 1
@@ -58,13 +58,13 @@ def test_inputs_prepared_ahead_equal_a_fresh_pack_once_their_ids_are_in():
         c.token_ids[0] = t
     assert host.pack(ahead) == 4 and host.prepared_packs == 1 and len(waits) == 1
     want = np.full_like(buf, -1)
-    cuda_graph.pack_decode(ahead, 4, MAX, WIDTH, BS, want, SCRATCH)
+    decode_inputs.pack_decode(ahead, 4, MAX, WIDTH, BS, want, SCRATCH)
     assert np.array_equal(buf, want)
     # Prepared once only: the same list again is packed whole (nothing says only ids changed).
     assert host.prepare(ahead)
     kept = ahead[:2]  # a row retired while the step before ran
     assert host.pack(kept) == 2 and host.prepared_packs == 1
-    cuda_graph.pack_decode(kept, 2, MAX, WIDTH, BS, want, SCRATCH)
+    decode_inputs.pack_decode(kept, 2, MAX, WIDTH, BS, want, SCRATCH)
     assert np.array_equal(buf, want)
     assert host.pack(ahead) == 4 and host.prepared_packs == 1
     # Not graphable (a prefill chunk): nothing prepared, and pack says so.
@@ -72,9 +72,83 @@ def test_inputs_prepared_ahead_equal_a_fresh_pack_once_their_ids_are_in():
     assert not host.prepare(prefill) and host.pack(prefill) is None
 
 
+def covered(buf: np.ndarray, chunks: list[SeqChunk], batch: int) -> tuple:
+    """What a graph replay of `batch` rows reads: every field of those rows, each row's table up to
+    its context's last block (the padding rows' first entry)."""
+    fields, tables = unpack(buf)
+    blocks = [c.start_pos // BS + 1 for c in chunks] + [1] * (batch - len(chunks))
+    return fields[:, :batch].tolist(), [tables[i, :k].tolist() for i, k in enumerate(blocks)]
+
+
+def test_rows_rewrite_only_what_changed_and_equal_a_fresh_pack():
+    """Random decode steps through DecodeInputs (row tables kept between steps, steps prepared
+    ahead) against a fresh pack of each: sequences join, retire, grow into new blocks, are
+    preempted into new blocks behind an eager step, or have a table replaced outright."""
+    import random
+
+    rng = random.Random(0)
+    free = list(range(1, 200))
+    rng.shuffle(free)
+    seqs: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (position, table)
+    next_id = iter(range(10_000))
+
+    def join():
+        pos = rng.randrange(0, 3 * BS)
+        seqs[next(next_id)] = (pos, [free.pop() for _ in range(pos // BS + 1)])
+
+    buf = np.full(decode_inputs.buffer_len(MAX, WIDTH), -1, dtype=np.int64)
+    host = decode_inputs.DecodeInputs(buf, [1, 2, 4], WIDTH, BS, SCRATCH)
+    join()
+    incremental = 0
+    for step in range(400):
+        r = rng.random()
+        if r < 0.08 and len(seqs) < MAX:
+            join()
+        elif r < 0.14 and len(seqs) > 1:
+            sid = rng.choice(list(seqs))
+            free.extend(seqs.pop(sid)[1])
+        elif r < 0.18:  # preempted: recomputed by an eager (prefill) step in new blocks, but
+            # for its last, which the allocator happened to give back (no table check can tell)
+            sid = rng.choice(list(seqs))
+            pos, table = seqs[sid]
+            seqs[sid] = (pos, [free.pop() for _ in table[:-1]] + table[-1:])
+            free.extend(table[:-1])
+            assert host.pack([SeqChunk(sid, [1, 2], 0, seqs[sid][1])]) is None
+        elif r < 0.2:  # a table replaced with no eager step between: its last block gives it away
+            sid = rng.choice(list(seqs))
+            pos, table = seqs[sid]
+            seqs[sid] = (pos, [free.pop() for _ in table])
+            free.extend(table)
+        for sid, (pos, table) in list(seqs.items()):  # the next position; a new block when it needs one
+            if pos + 1 >= WIDTH * BS:
+                free.extend(seqs.pop(sid)[1])
+                continue
+            if (pos + 1) // BS + 1 > len(table):
+                table = table + [free.pop()]
+            seqs[sid] = (pos + 1, table)
+        if not seqs:
+            join()
+        chunks = [SeqChunk(sid, [rng.randrange(1000)], pos, list(table), True, sid % 7)
+                  for sid, (pos, table) in seqs.items()]
+        if rng.random() < 0.5:
+            ids = [c.token_ids[0] for c in chunks]
+            for c in chunks:
+                c.token_ids[0] = -1
+            assert host.prepare(chunks)
+            for c, t in zip(chunks, ids):
+                c.token_ids[0] = t
+        before = host.rows.written[:]
+        b = host.pack(chunks)
+        incremental += host.rows.written == before
+        want = np.full_like(buf, -1)
+        decode_inputs.pack_decode(chunks, b, MAX, WIDTH, BS, want, SCRATCH)
+        assert covered(buf, chunks, b) == covered(want, chunks, b), f"step {step}"
+    assert incremental > 100  # most steps wrote no block at all
+
+
 def test_capture_inputs_are_all_scratch():
-    buf = np.zeros(cuda_graph.buffer_len(MAX, WIDTH), dtype=np.int64)
-    cuda_graph.fill_scratch(buf, 0, MAX, MAX, WIDTH, BS, SCRATCH)
+    buf = np.zeros(decode_inputs.buffer_len(MAX, WIDTH), dtype=np.int64)
+    decode_inputs.fill_scratch(buf, 0, MAX, MAX, WIDTH, BS, SCRATCH)
     fields, tables = unpack(buf)
     assert set(fields[SLOTS].tolist()) == {SCRATCH[0] * BS} and set(fields[STATE].tolist()) == {SCRATCH[1]}
     assert set(fields[POSITIONS].tolist()) == {0} and set(fields[CONTEXT].tolist()) == {1}

@@ -32,16 +32,24 @@ the uncompiled layers; a compiler failure falls back to them (logged, in `stats(
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from ..engine.plan import SeqChunk
 from ..log import get_logger
 from . import fusion, mla_decode, moe_kernels, pdl
 from .attn_metadata import AttnMetadata
+from .decode_inputs import (
+    CONTEXT,
+    FIELDS,
+    IDS,
+    POSITIONS,
+    SLOTS,
+    STATE,
+    DecodeInputs,
+    buffer_len,
+    fill_scratch,
+)
 from .kda import KDAState
 from .kda_ops import fla_available
 from .moe import MoE, grouped_mm_fast
@@ -49,12 +57,6 @@ from .moe import MoE, grouped_mm_fast
 log = get_logger("cuda_graph")
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-IDS, POSITIONS, SLOTS, CONTEXT, STATE = range(5)  # the per-row fields, before the block tables
-FIELDS = 5
-
-
-def buffer_len(max_batch: int, width: int) -> int:
-    return FIELDS * max_batch + max_batch * width
 
 
 def scratch_indices(config) -> tuple[int, int]:
@@ -62,116 +64,6 @@ def scratch_indices(config) -> tuple[int, int]:
     blocks 0..kv_blocks()-1 and its scheduler state slots 0..max_num_seqs-1; the worker
     allocates one more of each (`_allocate_kv_cache`)."""
     return config.kv_blocks(), config.max_num_seqs
-
-
-def _views(buf: np.ndarray, max_batch: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    return (buf[: FIELDS * max_batch].reshape(FIELDS, max_batch),
-            buf[FIELDS * max_batch:].reshape(max_batch, width))
-
-
-def fill_scratch(buf: np.ndarray, start: int, stop: int, max_batch: int, width: int, block_size: int,
-                 scratch: tuple[int, int]) -> None:
-    """Rows start..stop-1 of `buf`: token 0 at position 0 of the scratch block, on the scratch state
-    row. Position 0 makes each step zero the scratch row first (a fresh sequence) and context 1
-    reads only the slot the row itself wrote, so padding rows touch nothing a sequence owns."""
-    fields, tables = _views(buf, max_batch, width)
-    block, row = scratch
-    fields[IDS, start:stop] = 0
-    fields[POSITIONS, start:stop] = 0
-    fields[SLOTS, start:stop] = block * block_size
-    fields[CONTEXT, start:stop] = 1
-    fields[STATE, start:stop] = row
-    tables[start:stop, 0] = block
-
-
-def pack_decode(chunks: list[SeqChunk], batch: int, max_batch: int, width: int, block_size: int,
-                buf: np.ndarray, scratch: tuple[int, int] = (0, 0)) -> None:
-    """Write a decode step's inputs into `buf` (int64, `buffer_len(max_batch, width)` long):
-    ids, positions, slots, context lengths, state rows ([max_batch] each), then block tables
-    [max_batch, width]. Rows len(chunks)..batch-1 are padding (`fill_scratch`). Only the blocks a
-    context covers are written."""
-    fields, tables = _views(buf, max_batch, width)
-    n = len(chunks)
-    if n:
-        # Column-wise, one numpy write a field (bench/host_step.py: per-element writes were ~3.4 us
-        # a sequence, 0.87 ms of a 256-stream step on this CPU).
-        pos = [c.start_pos for c in chunks]
-        blocks = [p // block_size + 1 for p in pos]
-        tabs = [c.block_table for c in chunks]
-        fields[IDS, :n] = [c.token_ids[0] for c in chunks]
-        fields[POSITIONS, :n] = pos
-        fields[SLOTS, :n] = [t[k - 1] * block_size + p % block_size for t, k, p in zip(tabs, blocks, pos)]
-        fields[CONTEXT, :n] = pos
-        fields[CONTEXT, :n] += 1
-        fields[STATE, :n] = [c.state_slot for c in chunks]
-        # One flat write of every row's first blocks: a list fed to a 2-d fancy index was ~60% of
-        # the pack at 256 streams of ~70 blocks; np.fromiter and flat offsets take half as long.
-        counts = np.array(blocks)
-        total = int(counts.sum())
-        offsets = np.arange(total) + np.repeat(np.arange(n) * width - (np.cumsum(counts) - counts), counts)
-        tables.reshape(-1)[offsets] = np.fromiter(
-            itertools.chain.from_iterable(t[:k] for t, k in zip(tabs, blocks)), np.int64, total)
-    if batch > len(chunks):
-        fill_scratch(buf, len(chunks), batch, max_batch, width, block_size, scratch)
-
-
-class DecodeInputs:
-    """The host side of the decode graphs' inputs: one int64 buffer (`buffer_len` long) that a
-    step packs (`pack`), or that `prepare` packs ahead, all but the token ids, while the step
-    before it still runs (async output: at 256 streams the block tables are most of the ~0.36 ms
-    pack, bench/host_step.py). `before_write` waits until the last copy has left the buffer."""
-
-    def __init__(self, buf: np.ndarray, sizes: list[int], width: int, block_size: int,
-                 scratch: tuple[int, int], before_write: Callable[[], None] = lambda: None):
-        self.buf, self.sizes, self.width, self.block_size = buf, sizes, width, block_size
-        self.max_batch = sizes[-1]
-        self.scratch = scratch
-        self.before_write = before_write
-        self._prepared: list[SeqChunk] | None = None  # the chunk list the buffer holds but for its ids
-        self.prepared_packs = 0
-
-    def batch_for(self, n: int) -> int:
-        return next(s for s in self.sizes if s >= n)
-
-    def prepare(self, chunks: list[SeqChunk]) -> bool:
-        """Pack a step whose token ids are not known yet; `pack` of the same list (ids filled in
-        place) then writes only the ids. False if the step is not graphable."""
-        self._prepared = None
-        if not graphable(chunks, self.max_batch, self.width, self.block_size):
-            return False
-        self.before_write()
-        pack_decode(chunks, self.batch_for(len(chunks)), self.max_batch, self.width, self.block_size,
-                    self.buf, self.scratch)
-        self._prepared = chunks
-        return True
-
-    def pack(self, chunks: list[SeqChunk]) -> int | None:
-        """Pack a step's inputs; returns the graph batch, or None if the step is not graphable.
-        Only ids may change between `prepare(chunks)` and this: they are all it writes then."""
-        prepared, self._prepared = self._prepared, None
-        if chunks is prepared:
-            self.buf[IDS * self.max_batch: IDS * self.max_batch + len(chunks)] = [c.token_ids[0] for c in chunks]
-            self.prepared_packs += 1
-            return self.batch_for(len(chunks))
-        if not graphable(chunks, self.max_batch, self.width, self.block_size):
-            return None
-        b = self.batch_for(len(chunks))
-        self.before_write()
-        pack_decode(chunks, b, self.max_batch, self.width, self.block_size, self.buf, self.scratch)
-        return b
-
-
-def graphable(chunks: list[SeqChunk], max_batch: int, width: int, block_size: int) -> bool:
-    """A pure decode step that fits the captured shapes (else the eager path runs, and reports
-    any error in the plan itself)."""
-    if not chunks or len(chunks) > max_batch:
-        return False
-    for c in chunks:
-        if len(c.token_ids) != 1 or not c.needs_logits:
-            return False
-        if c.start_pos + 1 > width * block_size or len(c.block_table) * block_size < c.start_pos + 1:
-            return False
-    return True
 
 
 def unsupported_reason(model, kv_caches: list, max_batch: int | None = None) -> str | None:
@@ -312,6 +204,7 @@ class DecodeGraphs:
         # Every row in the scratch block and state row: capture writes nothing a sequence owns.
         self._staging_np[:] = 0
         fill_scratch(self._staging_np, 0, self.max_batch, self.max_batch, self.width, self.block_size, self.scratch)
+        self.host.forget()
         self.inputs.copy_(self.staging)
         with self._compiled_layers():
             self._capture_all()

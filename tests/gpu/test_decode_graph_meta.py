@@ -20,7 +20,7 @@ from _model_utils import build_model  # noqa: E402
 
 from service.config import PRESETS  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
-from service.model import cuda_graph  # noqa: E402
+from service.model import cuda_graph, decode_inputs  # noqa: E402
 from service.model.attn_metadata import AttnMetadata  # noqa: E402
 from service.model.kda import KDAState, kda_state_shapes  # noqa: E402
 
@@ -75,7 +75,7 @@ def test_packed_inputs_and_scratch_padding_match_the_eager_step():
         ref = model.compute_logits(model(ids, meta, ref_caches)[meta.logits_indices])
         g = graph_inputs(model, ours)
         buf = np.zeros(cuda_graph.buffer_len(BATCH, WIDTH), dtype=np.int64)
-        cuda_graph.pack_decode(chunks, BATCH, BATCH, WIDTH, BS, buf, SCRATCH)
+        decode_inputs.pack_decode(chunks, BATCH, BATCH, WIDTH, BS, buf, SCRATCH)
         g.inputs.copy_(torch.from_numpy(buf))
         out = g._forward(BATCH, g._meta(BATCH))
     assert out.shape[0] == BATCH and torch.isfinite(out).all()
