@@ -219,15 +219,34 @@ def active_expert_bytes(worker, chunks) -> tuple[int, int]:
     from service.model.moe import FusedExperts
 
     seen: list[int] = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(
-        int(args[2].unique().numel()) * (mod.w13[0].numel() + mod.w2[0].numel()) * mod.w2.element_size()))
-        for m in worker.model.modules() if isinstance(m, FusedExperts)]
+
+    def record(mod, ids: torch.Tensor) -> None:
+        seen.append(int(ids.unique().numel()) * (mod.w13[0].numel() + mod.w2[0].numel()) * mod.w2.element_size())
+
+    def counted_parts(mod):
+        # From two rows at TP 1 the experts run through `parts` (the slot-sum-norm path), not
+        # forward: run 66 (H100) counted no expert at batch 8-256 and gave a floor without them.
+        parts = mod.parts
+
+        def run(x, weights, ids):
+            out = parts(x, weights, ids)
+            if out is not None:
+                record(mod, ids)
+            return out
+        return run
+
+    experts = [m for m in worker.model.modules() if isinstance(m, FusedExperts)]
+    hooks = [m.register_forward_hook(lambda mod, args, out: record(mod, args[2])) for m in experts]
+    for m in experts:
+        m.parts = counted_parts(m)
     try:
         with eager(worker):  # hooks do not fire inside graph replays
             worker.execute(StepPlan(chunks))
     finally:
         for h in hooks:
             h.remove()
+        for m in experts:
+            del m.parts  # the class's method again
     return sum(seen), len(seen)
 
 

@@ -2,9 +2,9 @@
 
 The ranks' collectives inside the graphs are the device all-reduce/all-gather
 (service/tail/device_comm.py) and the Triton fused tail (`tiny` is a latent-MoE model), their
-comm regions mapped through cuMem FDs. Greedy tokens with graphs equal TP 2 eager, and the exact
-path (the CPU engine in fp32, TP 1) as test_engine_cuda's greedy test holds TP 1: divergences
-only where the reference's margin is below the run's noise. A bf16 TP 1 run is no reference for
+comm regions mapped through cuMem FDs. Greedy tokens with graphs agree with TP 2 eager up to
+bf16 noise, and both hold to the exact path (the CPU engine in fp32, TP 1) as test_engine_cuda's
+greedy test holds TP 1: divergences only where the exact path's margin is below the run's noise. A bf16 TP 1 run is no reference for
 margins: it has drifted too (on the H200 TP 2 graphs parted from it at a 0.62 margin where the
 noise was 0.09, after 21 tokens); a level-1 and a level-2 sleep cycle keep tokens and graphs; zeroed tail flags fail
 the step fast inside a replay and the ranks re-arm and serve on. Two processes time-slice one GPU
@@ -72,10 +72,16 @@ def test_tp2_graphs_equal_tp2_eager_and_exact_tp1(tp2_graph_outputs):
         ref_exact = generate(exact)
     finally:
         exact.shutdown()
-    for name, ref in (("TP 2 eager", ref_eager), ("TP 1, CPU fp32", ref_exact)):
-        r = compare(ref, ours, floor=1e-2)
-        assert r["noise"] <= 0.5, f"vs {name}: logprob noise {r['noise']:.3g}"
-        assert not r["unexplained"], f"vs {name}: divergences at clear margins: {r}"
+    # Margins come from the exact path only: TP 2 eager is bf16 and drifts as much as the graphs
+    # (runs 67-68, H100: they parted at its 0.14 margin, 4.6x the 0.03 noise, where both met the
+    # exact path's near-ties). A wrong kernel in the graphs shows as noise against eager before
+    # any divergence, or as a divergence where the exact path had a clear margin.
+    r = compare(ref_eager, ours, floor=1e-2)
+    assert r["noise"] <= 0.5, f"vs TP 2 eager: logprob noise {r['noise']:.3g}"
+    for name, run in (("TP 2 graphs", ours), ("TP 2 eager", ref_eager)):
+        r = compare(ref_exact, run, floor=1e-2)
+        assert r["noise"] <= 0.5, f"{name} vs TP 1, CPU fp32: logprob noise {r['noise']:.3g}"
+        assert not r["unexplained"], f"{name} vs TP 1, CPU fp32: divergences at clear margins: {r}"
 
 
 def test_sleep_levels_keep_tokens_and_graphs(tp2, tp2_graph_outputs):
