@@ -545,3 +545,27 @@ def test_steps_prepared_ahead_are_the_steps_executed(solo_outputs):
                      (PROMPTS[5], PARAMS[5])])
     executed = {id(p) for p in model.plans}
     assert sum(id(p) not in executed for p, _ in prepared) == 1
+
+
+def test_a_request_arriving_during_a_step_runs_in_the_next_launched_step():
+    """A request added while the host waits for a step's logits (here: from the `collect` hook,
+    which runs just before that wait) gets its prefill into the very next step launched, even
+    when that step was already scheduled ahead (overlap): the scheduled step gives way."""
+    state = {"plans_at_add": None}
+    engine, model = make_engine(max_num_seqs=4)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def collect():
+        decodes = sum(all(len(c.token_ids) == 1 for c in p.chunks) for p in model.plans)
+        if state["plans_at_add"] is None and decodes >= 4:
+            engine.add_request("late", PROMPTS[1], None, greedy)
+            state["plans_at_add"] = len(model.plans)
+
+    engine.collect = collect
+    outs = {o.request_id: o for o in engine.generate([(PROMPTS[0], greedy)])}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    late = next(o for o in outs.values() if o.request_id == "late")
+    assert tokens(late) == tokens(solo(PROMPTS[1], greedy))
+    first_after = model.plans[state["plans_at_add"]]
+    assert any(len(c.token_ids) > 1 for c in first_after.chunks), "the late request's prefill waited a step"

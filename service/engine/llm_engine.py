@@ -223,6 +223,11 @@ class LLMEngine:
         """Schedule the next batch (or take `ahead`, its tokens filled in from the batch that just
         landed) and hand it to the executor (asynchronous on a GPU)."""
         t0 = time.perf_counter()
+        # A request that arrived while the step before ran (the host waiting for its logits) is
+        # admitted now rather than a step later: the step scheduled ahead gives way. Served at
+        # 256 streams on an H100 (run 65) that later step cost TTFT p50 +31% (206 -> 269 ms).
+        if ahead is not None and self._inbox:
+            ahead = None
         batch = self.scheduler.fill_ahead(ahead) if ahead is not None else None
         if batch is not None:
             self.num_steps_ahead += 1
