@@ -15,10 +15,11 @@
 # `quick`: the bench without serving, then K3 at TP 2 and the engine's graph tests, in one call.
 # `serve_async`: HTTP serving at 64 and 256 streams with async output (the CUDA default), then
 # the same on a server with `--async-output off`, and the ratio; then the engine's CUDA tests.
+# `verify`: align_in's kernel test, the TP 2 graph test, then `serve_async`'s serving.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|sweeps|k3|k3_tests|fp8|small_rows|tests|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|sweeps|k3|k3_tests|fp8|small_rows|tests|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +124,16 @@ if [ "$what" = serve_async ]; then  # served tok/s with a step's outputs process
   echo "== serve_async rc=$?"
   grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
   group engine "$(left)" tests/gpu/test_engine_cuda.py tests/gpu/test_prefill_graphs.py  # what is left of the call
+fi
+if [ "$what" = verify ]; then  # what runs 65-68 left open, in one call (~480 s)
+  # align_in's kernel test (its flip to a default waits on it), the TP 2 graph test with margins
+  # from the exact path, then serving both ways again for the TTFT mend (69af018).
+  group align_in 120 tests/gpu/test_moe_grouped_kernel.py -k align
+  group tp 150 tests/gpu/test_tp_graphs.py
+  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline --baseline-args "--async-output off" \
+    > "$OUT/serve_async.log" 2>&1
+  echo "== serve_async rc=$?"
+  grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
