@@ -534,6 +534,12 @@ def test_steps_prepared_ahead_are_the_steps_executed(solo_outputs):
         return
     assert len(prepared) == engine.stats()["steps_scheduled_ahead"] > 0
     assert all(set(ids) == {-1} for _, ids in prepared)
+    # A failing prepare costs only its head start: the same tokens, nothing lost in flight.
+    def broken(plan):
+        raise RuntimeError("staging buffer gone")
+
+    other, _ = make_engine(prepare=broken)
+    assert [tokens(o) for o in other.generate(list(zip(PROMPTS, PARAMS)))] == [tokens(o) for o in outs]
     # Length stops are left out when the step is scheduled ahead: every prepared plan ran as is.
     executed = {id(p) for p in model.plans}
     assert all(id(p) in executed and -1 not in [c.token_ids[0] for c in p.chunks] for p, _ in prepared)

@@ -195,7 +195,10 @@ class LLMEngine:
                     self._admit()  # new requests go first: no decode step ahead while they can be admitted
                     ahead = self.scheduler.schedule_ahead(prev[0])
                     if ahead is not None and self.prepare is not None:
-                        self.prepare(ahead.plan)
+                        try:
+                            self.prepare(ahead.plan)
+                        except Exception:  # only a head start: the launch packs the step anyway
+                            log.warning("preparing the step scheduled ahead failed", exc_info=True)
                     self.step_seconds["schedule"] += time.perf_counter() - t0
                 landed = self._land(prev, outputs)
             failed = None
