@@ -540,6 +540,9 @@ def test_steps_prepared_ahead_are_the_steps_executed(solo_outputs):
 
     other, _ = make_engine(prepare=broken)
     assert [tokens(o) for o in other.generate(list(zip(PROMPTS, PARAMS)))] == [tokens(o) for o in outs]
+    other, _ = make_engine()  # and a failing schedule_ahead only costs the step its head start
+    other.scheduler.schedule_ahead = broken
+    assert [tokens(o) for o in other.generate(list(zip(PROMPTS, PARAMS)))] == [tokens(o) for o in outs]
     # Length stops are left out when the step is scheduled ahead: every prepared plan ran as is.
     executed = {id(p) for p in model.plans}
     assert all(id(p) in executed and -1 not in [c.token_ids[0] for c in p.chunks] for p, _ in prepared)

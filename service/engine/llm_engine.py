@@ -191,15 +191,7 @@ class LLMEngine:
             if self._in_flight is not None:
                 prev, self._in_flight = self._in_flight, None
                 if launch:  # overlap only: the next decode step is scheduled while this one runs
-                    t0 = time.perf_counter()
-                    self._admit()  # new requests go first: no decode step ahead while they can be admitted
-                    ahead = self.scheduler.schedule_ahead(prev[0])
-                    if ahead is not None and self.prepare is not None:
-                        try:
-                            self.prepare(ahead.plan)
-                        except Exception:  # only a head start: the launch packs the step anyway
-                            log.warning("preparing the step scheduled ahead failed", exc_info=True)
-                    self.step_seconds["schedule"] += time.perf_counter() - t0
+                    ahead = self._schedule_ahead(prev[0])
                 landed = self._land(prev, outputs)
             failed = None
             if launch:
@@ -214,6 +206,22 @@ class LLMEngine:
             if failed is not None:
                 outputs += self._fail_running(failed)
             return outputs
+
+    def _schedule_ahead(self, flight: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step, scheduled (and its graph inputs prepared) while `flight` runs.
+        Only a head start: a failure here is logged and the launch schedules the step itself,
+        so `flight`, already taken off `_in_flight`, is still collected."""
+        t0 = time.perf_counter()
+        ahead = None
+        try:
+            self._admit()  # new requests go first: no decode step ahead while they can be admitted
+            ahead = self.scheduler.schedule_ahead(flight)
+            if ahead is not None and self.prepare is not None:
+                self.prepare(ahead.plan)
+        except Exception:
+            log.warning("scheduling the next step ahead failed", exc_info=True)
+        self.step_seconds["schedule"] += time.perf_counter() - t0
+        return ahead
 
     def drain(self) -> None:
         """Finish the step in flight; its outputs are reported by the next step() or drain_outputs()."""
