@@ -266,9 +266,11 @@ def step_floor_bytes(worker, chunks) -> dict:
     experts_all = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
     experts_read, counted = active_expert_bytes(worker, chunks)
     moe_layers = sum(isinstance(m, FusedExperts) for m in model.modules())
-    if counted != moe_layers:  # a path that bypasses the count would make the floor a lie (run 66)
-        raise RuntimeError(f"the routed experts were counted in {counted} of {moe_layers} MoE layers: "
-                           "a new expert path that active_expert_bytes does not see?")
+    if counted != moe_layers:  # a path the count does not see: run 66's floors left every expert out
+        print(f"FLOOR INVALID: the routed experts were counted in {counted} of {moe_layers} MoE layers "
+              "(a new expert path that active_expert_bytes does not see?); floors print as nan",
+              file=sys.stderr, flush=True)
+        experts_read = float("nan")
     cfg = model.config
     kv = sum(c.start_pos + 1 for c in chunks) * cfg.kv_cache_dim * len(cfg.mla_layers) * embed.element_size()
     state = 0  # KDA rows: read and written once per sequence
