@@ -1,6 +1,6 @@
 """How long a request that arrives while decoding runs waits for its prefill, counted in launches
 (1: the very next step launched), with steps in order against async output. Over a simulated device
-(as `bench/host_step.py --device-ms`: the sampler waits until a launched step's time is up) with
+(`host_step.SimulatedDevice`: the sampler waits until a launched step's time is up) with
 `--streams` sequences decoding, a thread adds `--arrivals` short requests at random moments.
 
 Run 65 (H100, 256 HTTP streams) found async output's TTFT p50 31% above in order's: a request that
@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from host_step import SimulatedDevice  # noqa: E402  (bench/, this script's folder)
+
 from service.engine.llm_engine import LLMEngine  # noqa: E402
 from service.sampling_params import SamplingParams  # noqa: E402
 from service.tokenizer import build_tiny_tokenizer  # noqa: E402
@@ -37,27 +39,22 @@ def delays(args, overlap: bool, seed: int) -> list[int]:
     tok = build_tiny_tokenizer(VOCAB)
     rows = args.streams + args.arrivals
     logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0))
-    launches, first, ready = [0], {}, []
+    launches, first = [0], {}
+    device = SimulatedDevice(args.device_ms)
 
     def model(plan):
         launches[0] += 1
         for c in plan.chunks:
             if len(c.token_ids) > 1 and c.token_ids[0] >= MARK:
                 first.setdefault(c.token_ids[0] - MARK, launches[0])
-        ready.append(max(time.perf_counter(), ready[-1] if ready else 0.0) + args.device_ms / 1e3)
+        device.launched()
         return logits[:sum(c.needs_logits for c in plan.chunks)]
 
     steps = int(args.arrivals * 3 * 1.5) + 16  # the decoding outlasts the arrivals
     engine = LLMEngine(model, tok, block_size=16, num_blocks=rows * (-(-(16 + steps) // 16)) + 16,
                        max_num_seqs=rows, max_num_batched_tokens=4096, max_model_len=16 + steps,
                        vocab_size=VOCAB, overlap=overlap)
-    sample = engine.sampler
-
-    def wait_then_sample(*a):
-        time.sleep(max(0.0, ready.pop(0) - time.perf_counter()))
-        return sample(*a)
-
-    engine.sampler = wait_then_sample
+    device.attach(engine)
     long = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     for i in range(args.streams):
         engine.add_request(f"s{i}", None, [5 + (i + j) % 1000 for j in range(16)], long)

@@ -34,6 +34,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("schedule", "pack", "postprocess", "pickle", "unpickle", "total")
 
 
+class SimulatedDevice:
+    """A device that takes `ms` a step (--device-ms here, and bench/admission.py): the model calls
+    `launched()` for each step it is given, which starts once the step before it is done; the
+    engine's sampler, which reads the logits, waits until then (`attach`)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+        self.ready: list[float] = []  # when each launched step's logits would be ready
+
+    def launched(self) -> None:
+        self.ready.append(max(time.perf_counter(), self.ready[-1] if self.ready else 0.0) + self.ms / 1e3)
+
+    def attach(self, engine) -> None:
+        sample = engine.sampler
+
+        def wait_then_sample(*a):  # sampling reads the logits: the host waits for the device here
+            time.sleep(max(0.0, self.ready.pop(0) - time.perf_counter()))
+            return sample(*a)
+
+        engine.sampler = wait_then_sample
+
+
 def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
     """ms a decode step for each phase (means over the steps), on the code under ROOT. `prepare`
     (with `overlap`): the graph inputs of a step scheduled ahead are packed, all but the token ids,
@@ -72,11 +94,11 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
             else:
                 cuda_graph.pack_decode(plan.chunks, len(plan.chunks), args.streams, width, block, buf, scratch)
             pack_s[0] += time.perf_counter() - t0
-        if args.device_ms:  # the device starts this step once the one before it is done
-            ready.append(max(time.perf_counter(), ready[-1] if ready else 0.0) + args.device_ms / 1e3)
+        if device is not None:
+            device.launched()
         return logits[:sum(c.needs_logits for c in plan.chunks)]
 
-    ready: list[float] = []  # when each launched step's logits would be ready on the device
+    device = SimulatedDevice(args.device_ms) if args.device_ms else None
 
     engine = LLMEngine(model, tok, block_size=block, num_blocks=args.streams * per_seq + 16,
                        max_num_seqs=args.streams, max_num_batched_tokens=args.streams * args.prompt_len,
@@ -89,14 +111,8 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
 
         engine.prepare = pack_ahead
     engine.progress_deltas = True
-    if args.device_ms:
-        sample = engine.sampler
-
-        def wait_then_sample(*a):  # sampling reads the logits: the host waits for the device here
-            time.sleep(max(0.0, ready.pop(0) - time.perf_counter()))
-            return sample(*a)
-
-        engine.sampler = wait_then_sample
+    if device is not None:
+        device.attach(engine)
     gc.collect()  # as the rank actor and the controller do once started (`gc.freeze`)
     gc.freeze()
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
