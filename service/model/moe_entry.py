@@ -216,15 +216,16 @@ if triton is not None:
                                    True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
 
-    def _rows_launch(bm: int, k: int, is_fp8: bool) -> dict:
+    def _rows_launch(bm: int, k: int, weight_bytes: int) -> dict:
         """The multi-row launch for row tiles of bm. LATENTSERVE_MOE_ENTRY_WIDE_N=1 (a candidate): at
-        16-row tiles (2-16 rows) of bf16/fp32 weights, 32 outputs a program at 4 stages (run 62, H100,
+        16-row tiles (2-16 rows) of 16-bit weights, 32 outputs a program at 4 stages (run 62, H100,
         8 rows: 7.31 us against the default's 7.98 in the same sweep; gate + up + x 40 KB a stage).
-        Not for FP8, whose weight tiles become fp32 registers."""
+        Not for FP8, whose weight tiles become fp32 registers, nor fp32, whose 80 KB stages overflow
+        shared memory at 4 (run 73, H100: 240 KB asked, 227 KB there)."""
         launch = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
                   # gate + up + x: <= 48 KB a stage
                   "BLOCK_K": max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k)))}
-        if bm == 16 and not is_fp8 and os.environ.get("LATENTSERVE_MOE_ENTRY_WIDE_N", "0") == "1":
+        if bm == 16 and weight_bytes == 2 and os.environ.get("LATENTSERVE_MOE_ENTRY_WIDE_N", "0") == "1":
             launch.update(BLOCK_N=32, num_stages=4)
         return launch
 
@@ -244,7 +245,7 @@ if triton is not None:
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if m > 1:
             bm = gemv.rows_tile(m, True)
-            launch = {**_rows_launch(bm, k, is_fp8), **(cfg or {})}
+            launch = {**_rows_launch(bm, k, down.element_size()), **(cfg or {})}
             bn, bk = launch["BLOCK_N"], launch["BLOCK_K"]
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
             _entry_rows_kernel[(triton.cdiv(m, bm), grid)](
