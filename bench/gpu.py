@@ -492,15 +492,15 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The MoE entry kernel's 2-16 rows as 32 outputs a program at 4 stages (run 62's sweep at 8
              # rows: 1.09x standalone, ~0.5% of batch 8's step predicted; moe_entry._rows_launch).
              "entry_wide_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
-             # Gate/up's programs lay out their own row blocks from the router's ids, no align launch
-             # (moe_grouped.align_in_max_pairs): batch 8 of `small` 21 -> 20 kernels a layer, predicted
-             # 0.98-0.99x; 512 pairs takes batch 64 too, every program reading 512 ids.
-             "align_in": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "128"},
+             # Gate/up's programs lay out their own row blocks from the router's ids up to 128 pairs, no
+             # align launch (moe_grouped.align_in_max_pairs, the default since run 70): `align_kernel`
+             # is the build before it; 512 pairs takes batch 64 too, every program reading 512 ids.
+             "align_kernel": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "0"},
              "align_in_512": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "512"},
-             # MLA decode at 1-8 sequences in 16 warps (mla_decode.launch_config), and the three
+             # MLA decode at 1-8 sequences in 16 warps (mla_decode.launch_config), and the two
              # candidates for batches 1-8 together: what each alone is too small to show.
              "mla_16_warps": {"LATENTSERVE_MLA_SMALL_WARPS": "16"},
-             "small_batch": {"LATENTSERVE_MLA_SMALL_WARPS": "16", "LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "128",
+             "small_batch": {"LATENTSERVE_MLA_SMALL_WARPS": "16",
                              "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
