@@ -36,6 +36,7 @@ class EngineLoop:
         # generate() waiters read final outputs only (see _publish).
         engine.wants_progress = lambda request_id: request_id not in self._waiters
         engine.progress_deltas = True  # poll() feeds the HTTP controller, which rebuilds whole outputs
+        engine.publish = self._publish_from_step
         self.last_error: str | None = None
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -162,6 +163,19 @@ class EngineLoop:
                 self.steps += 1
                 self._publish(outputs)
                 self._cv.notify_all()
+
+    def _publish_from_step(self, outputs: list[RequestOutput]) -> bool:
+        """Outputs handed over from inside a step, before a prefill launches (LLMEngine.publish).
+        The step holds the engine's lock, and pause() holds _cv while it calls into the engine:
+        so never wait for _cv here. Refused, the outputs come back with the step as before."""
+        if not self._cv.acquire(blocking=False):
+            return False
+        try:
+            self._publish(outputs)
+            self._cv.notify_all()
+        finally:
+            self._cv.release()
+        return True
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         version = self._weight_version()

@@ -47,6 +47,9 @@ class LLMEngine:
         # Process a step's outputs while the next step runs (vLLM's async output processing): worth
         # it where `execute` returns before the device finishes (CUDA), a step later elsewhere.
         self.overlap = overlap
+        # Set by the engine loop: hands outputs to their readers now, True if it took them. With
+        # `overlap`, the tokens that landed go out this way before a prefill launches.
+        self.publish: Callable[[list[RequestOutput]], bool] | None = None
         self._in_flight: tuple[ScheduledBatch, torch.Tensor | None] | None = None
         self.tokenizer = tokenizer
         if eos_token_id is None and tokenizer is not None:
@@ -195,7 +198,17 @@ class LLMEngine:
                 landed = self._land(prev, outputs)
             failed = None
             if launch:
-                failed = self._launch(ahead)
+                batch, kind = self._next_batch(ahead)
+                if batch is not None and kind != "decode" and landed and self.publish is not None:
+                    # A launch that prefills holds the host for its whole forward (34 ms a mixed
+                    # step at 256 streams, H100 run 69), and the landed tokens would wait for it:
+                    # the first token of every prefill in a burst of arrivals, one mixed step late.
+                    outputs += self._report(landed)
+                    landed = None
+                    if self.publish(outputs):
+                        outputs = []
+                if batch is not None:
+                    failed = self._execute(batch, kind)
             if landed:
                 outputs += self._report(landed)
             if failed is None and not self.overlap and self._in_flight is not None:
@@ -230,9 +243,9 @@ class LLMEngine:
                 outputs = self.step(launch=False)  # takes the pending outputs too
                 self._pending += outputs
 
-    def _launch(self, ahead: ScheduledBatch | None = None) -> Exception | None:
-        """Schedule the next batch (or take `ahead`, its tokens filled in from the batch that just
-        landed) and hand it to the executor (asynchronous on a GPU)."""
+    def _next_batch(self, ahead: ScheduledBatch | None) -> tuple[ScheduledBatch | None, str]:
+        """The batch to launch and its kind: `ahead`, its tokens filled in from the batch that
+        just landed, or a fresh schedule."""
         t0 = time.perf_counter()
         # A request that arrived while the step before ran (the host waiting for its logits) is
         # admitted now rather than a step later: the step scheduled ahead gives way. Served at
@@ -245,14 +258,17 @@ class LLMEngine:
         else:
             self._admit()
             batch = self.scheduler.schedule()
+        self.step_seconds["schedule"] += time.perf_counter() - t0
         if batch.is_empty:
-            return None
-        self.num_steps += 1
+            return None, ""
         decodes = sum(len(c.token_ids) == 1 for c in batch.plan.chunks)
-        kind = "decode" if decodes == len(batch.plan.chunks) else "prefill" if not decodes else "mixed"
+        return batch, "decode" if decodes == len(batch.plan.chunks) else "prefill" if not decodes else "mixed"
+
+    def _execute(self, batch: ScheduledBatch, kind: str) -> Exception | None:
+        """Hand the batch to the executor (asynchronous on a GPU); it is in flight after."""
+        self.num_steps += 1
         self.step_kinds[kind] += 1
         t1 = time.perf_counter()
-        self.step_seconds["schedule"] += t1 - t0
         try:
             logits = self.execute(batch.plan)
         except Exception as exc:  # any executor failure ends the running requests, not the engine
