@@ -15,11 +15,13 @@
 # `quick`: the bench without serving, then K3 at TP 2 and the engine's graph tests, in one call.
 # `serve_async`: HTTP serving at 64 and 256 streams with async output (the CUDA default), then
 # the same on a server with `--async-output off`, and the ratio; then the engine's CUDA tests.
-# `verify`: align_in's kernel test, the TP 2 graph test, then `serve_async`'s serving.
+# `verify`: align_in's kernel test, the TP 2 graph test, then `serve_async`'s serving. `mixed`:
+# bench/mixed_steps.py (a mixed step's host part and syncs), then serving both ways (the TTFT of
+# the hand-over before a prefill launch, 5cc1275).
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_engine|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_engine|all] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +60,14 @@ if { [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(
     echo "== serve rc=$? $(( $(date +%s) - s ))s"
     grep -E "serve-bench" "$OUT/serve_all.log" | cut -c1-900  # execute_<kind>_ms / _max_ms: slow mixed steps
   fi
+fi
+if [ "$what" = mixed ]; then  # a mixed step's host part and host syncs (~150 s), then serving both ways
+  timeout 240 python3 bench/mixed_steps.py --wave 256 --waves 2 --json "$OUT/mixed_steps.json" > "$OUT/mixed_steps.log" 2>&1
+  echo "== mixed_steps rc=$?"; grep -E "wave [0-9]|first wave|warm mixed" "$OUT/mixed_steps.log" | cut -c1-700
+  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline --baseline-args "--async-output off" \
+    > "$OUT/serve_async.log" 2>&1
+  echo "== serve_async rc=$?"
+  grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
 fi
 if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
   timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \

@@ -6,7 +6,10 @@ The engine runs in process (`uni` executor) with bench/serve.py's CUDA options (
 layers, bf16, graphs up to the wave size, 8192-token steps). Each wave generates --wave prompts
 of --prompt-len tokens for --max-tokens tokens, so its steps are the same in every wave: a
 prefill step, mixed steps while prompts still arrive, then decodes. Every `execute` is timed
-with a device sync. Wave 1 against the last wave is what first uses inside served steps cost
+with a device sync, and its host part apart: the time until `execute` returns (the launch) and
+the host syncs inside it (torch's sync debug mode). Run 69: a served mixed step held the host
+34 ms at 256 streams, a graphed decode step 0.3 ms; whether that is launching or waiting is what
+`host_ms` and `syncs` say. Wave 1 against the last wave is what first uses inside served steps cost
 (plans, compiles, lazy kernel loads); the startup warm-up exists to make it 1.0. Triton
 compiles during each wave are counted, where Triton is installed.
 On a CPU it runs `tiny` at TP 1 (a check of the script, not a measurement).
@@ -19,6 +22,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -39,23 +43,34 @@ def log(msg: str) -> None:
 
 
 class StepClock:
-    """Wraps RankWorker.execute: (decodes, prompt chunks, tokens, ms) of every step."""
+    """Wraps RankWorker.execute: (decodes, prompt chunks, tokens, ms, host ms, host syncs) of
+    every step."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.steps, self.compiles = cuda, [], 0
         self._execute = RankWorker.execute
         clock = self
 
-        def execute(worker, plan):
+        def execute(worker, plan, **kw):  # kw: defer_checks (async output)
             if clock.cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = clock._execute(worker, plan)
+            with warnings.catch_warnings(record=True) as syncs:
+                warnings.simplefilter("always")
+                if clock.cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = clock._execute(worker, plan, **kw)
+                finally:
+                    if clock.cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+            host = time.perf_counter() - t0
             if clock.cuda:
                 torch.cuda.synchronize()
             decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0)
+            n_syncs = sum("synchroniz" in str(w.message) for w in syncs)
             clock.steps.append((decodes, len(plan.chunks) - decodes, sum(len(c.token_ids) for c in plan.chunks),
-                                (time.perf_counter() - t0) * 1e3))
+                                (time.perf_counter() - t0) * 1e3, host * 1e3, n_syncs))
             return out
 
         RankWorker.execute = execute
@@ -77,9 +92,10 @@ class StepClock:
 
 
 def summary(steps: list[tuple]) -> dict:
-    mixed = [ms for d, p, _, ms in steps if d and p]
-    prefill = [ms for d, p, _, ms in steps if p and not d]
-    return {"steps": len(steps), "mixed_ms": [round(x, 1) for x in mixed], "mixed_total_ms": sum(mixed),
+    mixed = [s for s in steps if s[0] and s[1]]
+    prefill = [s[3] for s in steps if s[1] and not s[0]]
+    return {"steps": len(steps), "mixed_ms": [round(s[3], 1) for s in mixed], "mixed_total_ms": sum(s[3] for s in mixed),
+            "mixed_host_ms": [round(s[4], 1) for s in mixed], "mixed_host_syncs": [s[5] for s in mixed],
             "prefill_ms": [round(x, 1) for x in prefill], "step_ms_total": sum(s[3] for s in steps)}
 
 
@@ -122,10 +138,16 @@ def main() -> int:
     finally:
         llm.shutdown()
     first, warm = waves[0], waves[-1]
+    if not warm["steps"]:  # each request failed (its error is in the log above)
+        log("no step ran")
+        return 1
     ratio = first["mixed_total_ms"] / warm["mixed_total_ms"] if warm["mixed_total_ms"] else float("nan")
     print(f"mixed steps, first wave / warm wave: {first['mixed_total_ms']:.1f} / {warm['mixed_total_ms']:.1f} ms "
           f"= {ratio:.2f}x ({len(first['mixed_ms'])} steps; {first['triton_compiles']} Triton compiles in the "
           f"first wave, {warm['triton_compiles']} in the last)", flush=True)
+    host, total = sum(warm["mixed_host_ms"]), warm["mixed_total_ms"]
+    print(f"warm mixed steps: host (until execute returns) / whole step {host:.1f} / {total:.1f} ms = "
+          f"{host / total if total else float('nan'):.2f}; host syncs a step {warm['mixed_host_syncs']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "argv": argv, "waves": waves, "first_over_warm": ratio}, f, indent=1)
