@@ -15,13 +15,14 @@
 # `quick`: the bench without serving, then K3 at TP 2 and the engine's graph tests, in one call.
 # `serve_async`: HTTP serving at 64 and 256 streams with async output (the CUDA default), then
 # the same on a server with `--async-output off`, and the ratio; then the engine's CUDA tests.
-# `verify`: align_in's kernel test, the TP 2 graph test, then `serve_async`'s serving. `mixed`:
+# `save_cache`: packs the Triton and Inductor caches the lease built into $OUT (copy the parts
+# into .gpu/cache/, which every call restores first). `verify`: align_in's kernel test, the TP 2 graph test, then `serve_async`'s serving. `mixed`:
 # bench/mixed_steps.py (a mixed step's host part and syncs), then serving both ways (the TTFT of
 # the hand-over before a prefill launch, 5cc1275).
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_engine|all] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_engine|all|save_cache] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,13 @@ wheels=$(ls ../../.whl/*.whl .whl/*.whl 2>/dev/null)
 [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site $wheels >/dev/null 2>&1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONUNBUFFERED=1
+# Compile caches from an earlier lease (bench/gpu_cache.py): .gpu/cache/ travels with .gpu.
+eval "$(python3 bench/gpu_cache.py dirs)"
+python3 bench/gpu_cache.py restore ../cache
+if [ "$what" = save_cache ]; then  # a short last call of a lease: the caches this machine built
+  python3 bench/gpu_cache.py save "$OUT" --max-mib 45
+  exit $?
+fi
 t0=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - t0) )); }
 group() {  # name, seconds, pytest args...
