@@ -438,10 +438,20 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
     # Every kernel name with its launches: per-layer kernels come 23-24 times a step (one dense
     # layer), the rest (embedding, final norm, lm_head) once, which kernels_per_layer includes.
     counts: dict[str, int] = {}
+    us: dict[str, float] = {}
     for e in events:
         counts[e.name] = counts.get(e.name, 0) + 1
+        us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us()
     return {"batch": batch, "kernels": len(events), "kernels_per_layer": len(events) / layers,
-            "device_ms": kernel_us / 1e3, "table": table, "kernel_counts": counts}
+            "device_ms": kernel_us / 1e3, "table": table, "kernel_counts": counts, "kernel_us": us}
+
+
+def per_layer_table(prof: dict, layers: int, top: int = 14) -> str:
+    """us a layer and us a launch of each kernel (the step's total over the layers), largest first."""
+    us, counts = prof["kernel_us"], prof["kernel_counts"]
+    rows = [f"  {name[:62]:62s} {t / layers:8.1f} us/layer {t / counts[name]:8.1f} us x {counts[name]}"
+            for name, t in sorted(us.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(rows)
 
 
 def mode_graph_ms(args, env: dict[str, str], **kw) -> dict:
@@ -618,6 +628,9 @@ def bench_decode(args, bw: float) -> LLM:
     for name, other in baselines.items():
         for p in other["profiles"]:
             RESULTS.setdefault("baseline_profiles", []).append({**p, "build": name})
+            if name == "no_pdl":  # where the time goes: kernel times that add up
+                print(f"no_pdl profile, batch {p['batch']}: {p['device_ms']:.3f} ms of kernels\n"
+                      f"{per_layer_table(p, layers)}", flush=True)
     return llm
 
 

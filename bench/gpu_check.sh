@@ -58,10 +58,10 @@ if { [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(
   baselines=same_build,align_kernel,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl
   [ "$what" = quick ] && baselines=same_build,small_batch,mla_16_warps,align_kernel
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
-    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8 --baselines "$baselines" \
+    --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8,64,256 --baselines "$baselines" \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== bench rc=$? $(( $(date +%s) - s ))s"
-  grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed|FLOOR INVALID" "$OUT/bench.log" | cut -c1-260
+  grep -E "decode batch|fp8 decode|prefill|achieved|baseline|capture_failed|FLOOR INVALID|no_pdl profile| us/layer" "$OUT/bench.log" | cut -c1-260
   if [ "$what" != quick ] && [ "$(left)" -gt 150 ]; then
     s=$(date +%s)
     OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --requests 256 > "$OUT/serve_all.log" 2>&1
