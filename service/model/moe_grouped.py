@@ -6,7 +6,7 @@ and prefill): four kernels, no host sync, no atomics, no torch sort (issue 12).
    expert, pair order kept within an expert, padding rows = M*k), the expert of each BLOCK_M
    block and the number of blocks used. It replaces the torch path's argsort (9% of a batch-64
    step on the H200, bench/RESULTS.md), counts, cumsum and gathers.
-   Up to `align_in_max_pairs` pairs (a candidate), gate/up's programs lay out their own blocks
+   Up to `align_in_max_pairs` pairs (128 by default), gate/up's programs lay out their own blocks
    instead (`_block_rows`), and the align kernel is not launched.
 2. `_gate_up_kernel`: one program per (row block, N block): the block's token rows of x
    (gathered through sorted_pairs) against the expert's gate and up tiles of w13 on tensor
