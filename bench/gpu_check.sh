@@ -22,7 +22,7 @@
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_engine|all|save_cache] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -157,20 +157,23 @@ fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
 fi
-# The GPU tests take two calls on a cold machine (run 71, H100, 2026-12-06: the kernels group
-# alone ran out at 300 s after 197 tests): `tests_kernels`, then `tests_engine`; `all` runs both.
+# The GPU tests take three calls on a cold machine (run 71, H100, 2026-12-06: the kernel group
+# alone ran out at 300 s after 197 of its tests): `tests_kernels`, `tests_kda` (KDA, FP8, device
+# comm), `tests_engine` (TP graphs, the engine); `all` runs them all.
 if [ "$what" = tests_kernels ] || [ "$what" = all ]; then
-  group kernels 400 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \
+  group kernels 560 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \
     tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py \
     tests/gpu/test_mla_absorb.py tests/gpu/test_mla_decode_kernel.py
-  group kda 200 tests/gpu/test_kda_decode_step.py tests/gpu/test_kda_decode_conv.py tests/gpu/test_gemv_multi.py \
-    tests/gpu/test_kda_cuda.py tests/gpu/test_attn_res_kernel.py
 fi
-if [ "$what" = tests_engine ] || [ "$what" = all ]; then
+if [ "$what" = tests_kda ] || [ "$what" = all ]; then
+  group kda 300 tests/gpu/test_kda_decode_step.py tests/gpu/test_kda_decode_conv.py tests/gpu/test_gemv_multi.py \
+    tests/gpu/test_kda_cuda.py tests/gpu/test_attn_res_kernel.py
   group fp8 150 tests/gpu/test_fp8.py
   group comm 60 tests/gpu/test_device_comm.py
-  group tp 200 tests/gpu/test_tp_graphs.py
-  group engine 200 tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py
+fi
+if [ "$what" = tests_engine ] || [ "$what" = all ]; then
+  group tp 250 tests/gpu/test_tp_graphs.py
+  group engine 300 tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py
 fi
 if [ "$what" = all ]; then
   group k3 300 tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py
