@@ -16,13 +16,14 @@
 # `serve_async`: HTTP serving at 64 and 256 streams with async output (the CUDA default), then
 # the same on a server with `--async-output off`, and the ratio; then the engine's CUDA tests.
 # `save_cache`: packs the Triton and Inductor caches the lease built into $OUT (copy the parts
-# into .gpu/cache/, which every call restores first). `verify`: align_in's kernel test, the TP 2 graph test, then `serve_async`'s serving. `mixed`:
+# into .gpu/cache/, which every call restores first). `mixed`:
 # bench/mixed_steps.py (a mixed step's host part and syncs), then serving both ways (the TTFT of
 # the hand-over before a prefill launch, 5cc1275).
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|verify|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
+#   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -143,16 +144,6 @@ if [ "$what" = serve_async ]; then  # served tok/s with a step's outputs process
   echo "== serve_async rc=$?"
   grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
   group engine "$(left)" tests/gpu/test_engine_cuda.py tests/gpu/test_prefill_graphs.py  # what is left of the call
-fi
-if [ "$what" = verify ]; then  # what runs 65-68 left open, in one call (~480 s)
-  # align_in's kernel test (its flip to a default waits on it), the TP 2 graph test with margins
-  # from the exact path, then serving both ways again for the TTFT mend (69af018).
-  group align_in 120 tests/gpu/test_moe_grouped_kernel.py -k align
-  group tp 150 tests/gpu/test_tp_graphs.py
-  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline --baseline-args "--async-output off" \
-    > "$OUT/serve_async.log" 2>&1
-  echo "== serve_async rc=$?"
-  grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
 fi
 if [ "$what" = k3_tests ]; then
   group k3_tests "$(left)" tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py tests/gpu/test_kda_cuda.py
