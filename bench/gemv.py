@@ -137,7 +137,7 @@ def sweep_space(m: int):
             if bn * bk <= 32768:
                 yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         return
-    for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5)):
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (3, 4, 5)):
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "DOT": True}
 
 

@@ -562,6 +562,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              "gemv_16_rows": {"LATENTSERVE_GEMV_MAX_ROWS": "16"},
              # The one-row GEMV in 512-wide K steps (the default before whole-K slices, run 39).
              "gemv_k512": {"LATENTSERVE_GEMV_MAX_K": "512"},
+             # 2-16 rows' tensor-core tiles in 512-wide K steps (gemv.dot_max_k): twice the weight
+             # bytes in flight an SM; predicted 0.98-0.99x at batch 8, nothing at 1, 64 or 256.
+             "gemv_dot_k512": {"LATENTSERVE_GEMV_DOT_MAX_K": "512"},
              # 16-row tensor-core tiles for wide outputs too (gemv.dot_config before run 41).
              "gemv_narrow_tiles": {"LATENTSERVE_GEMV_WIDE_TILES": "0"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).

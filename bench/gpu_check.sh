@@ -56,7 +56,7 @@ group() {  # name, seconds, pytest args...
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
 if { [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
-  baselines=same_build,align_kernel,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl
+  baselines=same_build,gemv_dot_k512,align_kernel,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl
   [ "$what" = quick ] && baselines=same_build,small_batch,mla_16_warps,align_kernel
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
     --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8,64,256 --baselines "$baselines" \

@@ -318,10 +318,18 @@ if triton is not None:
             # 8 rows 3.78 -> 3.52; cuBLAS 4.8 and 4.6). LATENTSERVE_GEMV_WIDE_TILES=0: 16 (a baseline).
             return {"BLOCK_N": 32, "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))), "num_warps": 4,
                     "num_stages": 3 if bm > 16 else 4, "DOT": True}
-        bk = max(16, min(256, triton.next_power_of_2(k)))
+        bk = max(16, min(dot_max_k() if bm == 16 else 256, triton.next_power_of_2(k)))
         while bk > 32 and (bm + bn) * bk * itemsize > 40 * 1024:
             bk //= 2
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4, "DOT": True}
+
+    def dot_max_k() -> int:
+        """K step of 2-16 rows' 16 x 16 tiles (LATENTSERVE_GEMV_DOT_MAX_K, a candidate; 256 the
+        default). Run 70 (H100, no PDL) had 8 rows' four GEMVs at 0.38 of copy bandwidth: 16
+        outputs a program, one program an SM, 4 stages of 8 KB of weights in flight, about what
+        3 TB/s needs at DRAM latency. 512 doubles that (32 KB a stage, 128 KB at 4); the sweeps
+        stopped at 256."""
+        return int(os.environ.get("LATENTSERVE_GEMV_DOT_MAX_K", "256"))
 
     def tall_block_n(m: int, n: int, block_m: int, sms: int) -> int:
         """Outputs a program above 64 rows: the widest of 64, 32, 16 that still gives ~3/4 of the

@@ -136,6 +136,27 @@ def test_gated_gemv_matches_act_and_mul(act, beta, linear_beta, m, dtype):
     torch.testing.assert_close(h.double(), torch_path.double(), atol=tol * 4, rtol=tol * 4)
 
 
+@pytest.mark.parametrize("m", [2, 8, 16])
+def test_dot_tiles_in_512_wide_k_steps(m, monkeypatch):
+    """LATENTSERVE_GEMV_DOT_MAX_K=512 (bench/gpu.py's `gemv_dot_k512`): 2-16 bf16 rows in 512-wide
+    K steps, alone and paired (two pipelined loops in one program), equal the reference as the
+    256-wide default does; fp32 keeps 256 (its 512-wide stage would be 64 KB)."""
+    assert gemv.dot_config(m, 2048, 2048, 132, 2)["BLOCK_K"] == 256
+    monkeypatch.setenv("LATENTSERVE_GEMV_DOT_MAX_K", "512")
+    assert gemv.dot_config(m, 2048, 2048, 132, 2)["BLOCK_K"] == 512
+    assert gemv.dot_config(m, 2048, 2048, 132, 4)["BLOCK_K"] == 256
+    skip_interpreted_16bit_dot(torch.bfloat16)
+    g = torch.Generator().manual_seed(m)
+    x, x2 = (torch.randn(m, k, generator=g).to(DEVICE, torch.bfloat16) for k in (2048, 768))
+    w, w2 = ((torch.randn(2048, k, generator=g) / k ** 0.5).to(DEVICE, torch.bfloat16) for k in (2048, 768))
+    tol = 2 ** -7
+    y = torch.ops.latentserve.gemv(x, w)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=tol * 4, rtol=tol)
+    y = torch.ops.latentserve.gemv_pair(x2, w[:, :768].contiguous(), x2, w2)
+    ref = x2.double() @ w[:, :768].double().t() + x2.double() @ w2.double().t()
+    torch.testing.assert_close(y.double(), ref, atol=tol * 4, rtol=tol)
+
+
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k,k2", [(2048, 1024, 768), (100, 96, 40)])
