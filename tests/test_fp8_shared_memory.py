@@ -145,7 +145,31 @@ LAUNCHES += [(f"fp8 moe entry {_bm} rows", lambda bm=_bm, bk=_bk: (
                                        SUB=128, **BLOCKS), 4, 3, ENTRY8)) for _bm, _bk in ((16, 256), (64, 128))]
 
 
+# The bf16 GEMV's tensor-core tiles at 2-16 rows: the default 256-wide K steps and the
+# `gemv_dot_k512` candidate's 512 (gemv.dot_max_k), alone and paired (two pipelined loops).
+LAUNCHES += [(f"bf16 gemv dot 16 rows k{_bk} pair={_pair}", lambda bk=_bk, p=_pair: (
+    gemv._gemv_kernel, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk, PAIR=p, DOT=True, IEEE=False, NORM=False, SLOTS=0),
+    4, 4, GEMV)) for _bk in (256, 512) for _pair in (False, True)]
+# The MoE entry kernel's multi-row launches: the default and the wide-N candidate in bf16, and the
+# launch-shape test's fp32 shapes at the 2 stages it now uses (run 73: 4 asked 240 KB on an H100).
+ENTRY32 = {**{k: "fp32" for k in ENTRY}, "x_ptr": "fp32"}
+LAUNCHES += [(f"moe entry rows {_name}", lambda c=_c, t=_t, ieee=_ieee: (
+    moe_entry._entry_rows_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_M=16, BLOCK_N=c[0], BLOCK_K=c[1], IEEE=ieee,
+                                       FP8=False, BN=16, BK=16, SUB=16), 4, c[2], t))
+    for _name, _c, _t, _ieee in (("bf16 default", (16, 256, 3), ENTRY, False), ("bf16 wide n", (32, 256, 4), ENTRY, False),
+                                 ("fp32 16x512", (16, 512, 2), ENTRY32, True), ("fp32 32x256", (32, 256, 2), ENTRY32, True))]
+
+
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])
 def test_fp8_kernel_fits_h200_shared_memory(name, launch):
     used = shared_bytes(*launch())
     assert used <= H200_SHARED, f"{name}: {used} bytes of shared memory, the H200 has {H200_SHARED}"
+
+
+def test_the_fp32_entry_shapes_that_failed_on_the_gpu_are_over_here_too():
+    """The check itself: run 73's failing launch (fp32, 16 outputs, 512-wide K, 4 stages; Triton
+    asked 245760 bytes of 232448 on an H100) is over the limit in this compile too."""
+    used = shared_bytes(moe_entry._entry_rows_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512,
+                                                           IEEE=True, FP8=False, BN=16, BK=16, SUB=16),
+                        4, 4, ENTRY32)
+    assert used > H200_SHARED, used
