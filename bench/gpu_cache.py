@@ -79,12 +79,17 @@ def save(out: str, max_mib: int) -> int:
         print(f"[gpu-cache] nothing under {ROOT}", file=sys.stderr)
         return 0
     keep = [rel for _, rel in trees]
+    cap = max_mib << 20
     data = _pack(keep)
-    while len(data) > max_mib << 20 and keep:
+    alone: dict[str, int] = {}
+    while len(data) > cap and keep:
+        if not alone:  # over: each entry compressed alone, once, so that a drop need not repack all
+            alone = {rel: len(_pack([rel])) for rel in keep}
         # Inductor's entries go first (its kernels are Triton's too, and recompile from there).
         drop = next((r for _, r in trees if r in keep and r.startswith("inductor")), None)
         keep.remove(drop or next(r for _, r in trees if r in keep))
-        data = _pack(keep)
+        if keep and sum(alone[r] for r in keep) <= cap:  # may fit now: pack to know
+            data = _pack(keep)
     if not keep:
         print(f"[gpu-cache] even one entry is over {max_mib} MiB: nothing saved", file=sys.stderr)
         return 1
