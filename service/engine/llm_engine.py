@@ -199,15 +199,15 @@ class LLMEngine:
             failed = None
             if launch:
                 batch, kind = self._next_batch(ahead)
-                if batch is not None and kind != "decode" and landed and self.publish is not None:
-                    # A launch that prefills holds the host for its whole forward (34 ms a mixed
-                    # step at 256 streams, H100 run 69), and the landed tokens would wait for it:
-                    # the first token of every prefill in a burst of arrivals, one mixed step late.
-                    outputs += self._report(landed)
-                    landed = None
-                    if self.publish(outputs):
-                        outputs = []
                 if batch is not None:
+                    if kind != "decode" and landed and self.publish is not None:
+                        # A launch that prefills holds the host for its whole forward (34 ms a
+                        # mixed step at 256 streams, H100 run 69), and the landed tokens would wait
+                        # for it: the first token of every prefill in a burst, one mixed step late.
+                        outputs += self._report(landed)
+                        landed = None
+                        if self.publish(outputs):
+                            outputs = []
                     failed = self._execute(batch, kind)
             if landed:
                 outputs += self._report(landed)
