@@ -295,9 +295,11 @@ def test_latent_moe_tail_with_the_slot_sum_in_the_pair(monkeypatch, spy):
     layer, x = latent_moe_layer("k3-tiny")
     ref = layer(x)
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_SLOTS", "1")
-    calls = spy(torch.ops.latentserve, "moe_experts_parts")
+    parts, pairs = spy(torch.ops.latentserve, "moe_experts_parts"), spy(torch.ops.latentserve, "gemv_pair_normed")
     torch.testing.assert_close(layer(x), ref, atol=1e-6, rtol=1e-6)
-    assert len(calls) == 1
-    two = torch.cat([x, x])  # two tokens: the pair norm's one row does not apply, nor does this
+    assert (len(parts), len(pairs)) == (1, 1)
+    # Two tokens: the pair norm's one row does not apply, nor does this. The parts still come,
+    # for the slot sum with the norm (the default above one row), but no pair takes them.
+    two = torch.cat([x, x])
     torch.testing.assert_close(layer(two), torch.cat([ref, ref]), atol=1e-5, rtol=1e-4)
-    assert len(calls) == 1
+    assert len(pairs) == 1
