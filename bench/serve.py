@@ -205,7 +205,33 @@ def step_phases(before: dict, after: dict) -> dict:
             total = v["total"] - before.get("execute_seconds_by_kind", {}).get(k, {}).get("total", 0.0)
             out[f"execute_{k}_ms"] = total / n * 1e3
             out[f"execute_{k}_max_ms"] = v["max"] * 1e3
+    split = first_token_split(before, after)
+    if split:
+        out["first_token_ms"] = split
+    if after.get("handovers") and before.get("handovers"):
+        out["handovers"] = {k: v - before["handovers"].get(k, 0) for k, v in after["handovers"].items()}
     return out
+
+
+def first_token_split(before: dict, after: dict) -> dict | None:
+    """Mean ms of a first token's parts in the window: the controller's HTTP arrival to its
+    add_request answered (`admit`), then in the engine queued until the step that samples it
+    launches, launched to landed on the host, landed to handed to the readers, and the server's
+    TTFT; `rest` is what none of them covers (mostly the output's way back: poll, queue, SSE)."""
+    def delta(key: str) -> dict | None:
+        a, b = after.get(key), before.get(key)
+        return None if not a or not b else {k: v - b.get(k, 0) for k, v in a.items()}
+    eng, ctl = delta("first_token"), delta("controller_first_token")
+    if not eng or not eng["first_tokens"]:
+        return None
+    n = eng["first_tokens"]
+    out = {"queue": eng["queue_s"] / n * 1e3, "device": eng["device_s"] / n * 1e3,
+           "report": eng["report_s"] / n * 1e3}
+    if ctl and ctl["requests"]:
+        m = ctl["requests"]
+        out.update(admit=ctl["admit_s"] / m * 1e3, ttft=ctl["ttft_s"] / m * 1e3)
+        out["rest"] = out["ttft"] - out["admit"] - out["queue"] - out["device"] - out["report"]
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def with_replays(engine: dict, graph_stats: list[dict]) -> dict:
@@ -219,7 +245,9 @@ def with_replays(engine: dict, graph_stats: list[dict]) -> dict:
 def engine_stats(url: str, key: str | None) -> dict | None:
     try:
         with Client(url, key) as c:
-            return with_replays(c.status()["engine"], c.collective_rpc("graph_stats", ranks=[0]))
+            status = c.status()
+            stats = with_replays(status["engine"], c.collective_rpc("graph_stats", ranks=[0]))
+            return {**stats, "controller_first_token": status.get("first_token")}
     except Exception:  # noqa: BLE001 - an external server without an admin key: no step phases
         return None
 

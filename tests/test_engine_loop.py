@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
 
+from service.cluster import engine_loop
 from service.cluster.engine_loop import EngineLoop
 from service.engine.llm_engine import LLMEngine
 from service.sampling_params import SamplingParams
@@ -55,9 +57,10 @@ def test_a_first_token_reaches_poll_before_the_next_prefill_executes():
         assert tokens(final[f"r{i}"]) == tokens(solo(PROMPTS[i], GREEDY)), f"r{i}"  # in order
 
 
-def test_a_step_never_waits_for_the_loop_lock():
+def test_a_step_waits_for_the_loop_lock_only_briefly(monkeypatch):
     """pause() holds the loop's lock while it calls into the engine, whose lock a running step
-    holds: the hand-over from inside a step refuses rather than waits, and the step keeps them."""
+    holds: the hand-over from inside a step waits for that lock only HANDOVER_WAIT_S, then
+    refuses and the step keeps its outputs. A reader that lets go within the wait is waited for."""
     loop, engine, _ = make_loop()
     try:
         outcome = []
@@ -65,7 +68,36 @@ def test_a_step_never_waits_for_the_loop_lock():
             t = threading.Thread(target=lambda: outcome.append(engine.publish([])))
             t.start()
             t.join(5)
-        assert outcome == [False]
-        assert engine.publish([]) is True
+        assert outcome == [False] and loop.stats()["handovers"] == {"taken": 0, "refused": 1}
+        monkeypatch.setattr(engine_loop, "HANDOVER_WAIT_S", 30.0)
+        with loop._cv:  # a reader holding the lock when the hand-over comes, then letting go
+            t = threading.Thread(target=lambda: outcome.append(engine.publish([])))
+            t.start()
+            time.sleep(0.05)
+        t.join(5)
+        assert outcome == [False, True] and loop.stats()["handovers"] == {"taken": 1, "refused": 1}
     finally:
         loop.stop()
+
+
+def test_first_token_phases_add_up_to_less_than_the_wait():
+    """Every request's first token is counted once, in three gaps (queued, launched to landed,
+    landed to handed out) whose sum is within the time from its add to its first poll."""
+    loop, engine, _ = make_loop()
+    t0, firsts = time.monotonic(), {}
+    try:
+        for i in range(3):
+            loop.add(f"r{i}", PROMPTS[i], None, GREEDY)
+        done = set()
+        while len(done) < 3:
+            for out in loop.poll(timeout=5):
+                if out.outputs[0].token_ids:
+                    firsts.setdefault(out.request_id, time.monotonic())
+                if out.finished:
+                    done.add(out.request_id)
+    finally:
+        loop.stop()
+    ft = loop.stats()["first_token"]
+    assert ft["first_tokens"] == 3
+    assert min(ft["queue_s"], ft["device_s"], ft["report_s"]) >= 0
+    assert ft["queue_s"] + ft["device_s"] + ft["report_s"] <= sum(t - t0 for t in firsts.values())

@@ -242,6 +242,21 @@ def test_health_and_metrics(server, admin):
     assert "latentserve_ranks_alive 2.0" in text
 
 
+def test_status_splits_the_time_to_first_token(oai, admin):
+    """A streamed request's first token is counted once by the controller (arrival to admitted,
+    and to the first token) and once by the engine (queued, launched to landed, to the readers)."""
+    before = admin.status()
+    chunks = list(oai.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, stream=True))
+    assert chunks
+    after = admin.status()
+    ctl = {k: after["first_token"][k] - before["first_token"][k] for k in before["first_token"]}
+    eng = {k: after["engine"]["first_token"][k] - before["engine"]["first_token"][k]
+           for k in before["engine"]["first_token"]}
+    assert ctl["requests"] == 1 and eng["first_tokens"] == 1
+    assert 0 <= ctl["admit_s"] <= ctl["ttft_s"]
+    assert eng["queue_s"] + eng["device_s"] + eng["report_s"] <= ctl["ttft_s"]
+
+
 def test_async_client_generation_streaming_and_admin(server):
     import asyncio
 

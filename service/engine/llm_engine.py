@@ -20,6 +20,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .block_manager import BlockManager
+from .first_token import FirstTokenClock
 from .plan import StepPlan
 from .request import Request, build_output
 from .sampler import Sampler, SamplerOutput
@@ -67,10 +68,8 @@ class LLMEngine:
         self.weight_version = 0  # set by the worker after a weight update; tags every output
         self._requests: dict[str, Request] = {}
         # New requests wait here, under their own short lock, until the next step admits them:
-        # add_request must not wait for a running step (which holds _lock through the model's
-        # forward and the wait for its logits). Behind the step lock, the H200's HTTP clients'
-        # adds and the output polls queued for whole steps: TTFT p50 2.6 s at 64 streams, 11.8 s
-        # at 256, with tokens reaching the streams in bursts (bench/RESULTS.md, 2026-12-03).
+        # behind the step lock (held through the forward and the wait for logits) the H200's HTTP
+        # adds and polls queued for whole steps, TTFT p50 2.6 s at 64 streams (RESULTS, 2026-12-03).
         self._inbox: dict[str, Request] = {}
         self._inbox_lock = threading.Lock()
         self._pending: list[RequestOutput] = []  # reported at the next step (aborts, foreign outputs)
@@ -81,12 +80,12 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.num_steps_ahead = 0  # decode steps scheduled while the step before them ran (overlap)
         # Where a step's wall time goes, summed: scheduling, launching the model (asynchronous on
-        # a GPU), waiting for its logits and sampling, and the outputs. On the H200 a decode
-        # step's graph takes 5 ms; these say what the rest of a served step costs.
+        # a GPU), waiting for its logits and sampling, and the outputs.
         self.step_seconds = dict.fromkeys(("schedule", "execute", "sample", "postprocess"), 0.0)
         self.step_kinds = dict.fromkeys(("decode", "prefill", "mixed"), 0)
-        # Execute seconds by step kind, summed and the longest: a mean over all steps hid that
-        # served prefill and mixed steps each took ~0.4 s on the H200 (bench/RESULTS.md, run 20).
+        self.first_tokens = FirstTokenClock()  # marks `out` where the engine loop hands outputs over
+        # Execute seconds by step kind, summed and the longest: a mean hid served prefill and mixed
+        # steps of ~0.4 s each on the H200 (bench/RESULTS.md, run 20).
         self.execute_by_kind = {k: [0.0, 0.0] for k in self.step_kinds}
         # request id -> whether anyone reads its outputs before it finishes (a stream); None: all.
         # The engine loop's blocking generate() waits for final outputs only, so per-step
@@ -119,6 +118,7 @@ class LLMEngine:
             if request_id in self._requests or request_id in self._inbox:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use")
             self._inbox[request_id] = Request(request_id, prompt, list(ids), params, seqs)
+            self.first_tokens.added(request_id)
 
     def _admit(self) -> None:
         """Queued requests into the scheduler (under _lock). Under the inbox lock throughout, so
@@ -268,6 +268,8 @@ class LLMEngine:
         """Hand the batch to the executor (asynchronous on a GPU); it is in flight after."""
         self.num_steps += 1
         self.step_kinds[kind] += 1
+        if kind != "decode":
+            self.first_tokens.launched(batch)
         t1 = time.perf_counter()
         try:
             logits = self.execute(batch.plan)
@@ -301,6 +303,7 @@ class LLMEngine:
             return None
         t0 = time.perf_counter()
         rows = self.scheduler.postprocess(batch, sampled.token_ids)
+        self.first_tokens.landed(batch)
         landed = []
         poisoned: dict[str, None] = {}
         finish, eos, max_len = self.scheduler.finish, self.eos_token_id, self.max_model_len
@@ -401,6 +404,7 @@ class LLMEngine:
                 "weight_version": self.weight_version,
                 "async_output": self.overlap,
                 "steps_scheduled_ahead": self.num_steps_ahead,
+                "first_token": self.first_tokens.stats(),
                 "tokenizer": None if self.tokenizer is None else "loaded",
                 "note": NO_TOKENIZER_NOTE if self.tokenizer is None else None,
             }

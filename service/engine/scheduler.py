@@ -35,6 +35,7 @@ class ScheduledBatch:
     plan: StepPlan
     seqs: list[Sequence]  # aligned with plan.chunks
     preempted: list[Sequence] = field(default_factory=list)
+    first_tokens: tuple[float, list[str]] | None = None  # FirstTokenClock's launch mark
 
     @property
     def is_empty(self) -> bool:

@@ -78,6 +78,7 @@ async def _serve(ctl: Controller, request: Request, endpoint: str, prompts, para
     arrival = time.monotonic()
     route = await ctl.submit(prompts, params, prefix="chatcmpl" if endpoint == "chat" else "cmpl")
     timer = _TokenTimer(ctl, endpoint, arrival)
+    timer.admitted = time.monotonic()
     view = _View(ctl, endpoint, new_id("chatcmpl" if endpoint == "chat" else "cmpl"), top_n)
     if stream:
         gen = _stream(ctl, route, view, timer, include_usage, arrival + ctl.request_timeout_s)
@@ -196,8 +197,9 @@ class _TokenTimer:
 
     def __init__(self, ctl: Controller, endpoint: str, arrival: float):
         self.metrics = ctl.metrics
+        self.first_token = ctl.first_token
         self.endpoint = endpoint
-        self.arrival = arrival
+        self.arrival = self.admitted = arrival
         self.last: float | None = None
         self.tokens: dict[tuple[str, int], int] = {}
 
@@ -212,6 +214,10 @@ class _TokenTimer:
             return
         if self.last is None:
             self.metrics.ttft.observe(now - self.arrival)
+            ft = self.first_token
+            ft["requests"] += 1
+            ft["admit_s"] += self.admitted - self.arrival
+            ft["ttft_s"] += now - self.arrival
         else:
             for _ in range(new):
                 self.metrics.itl.observe((now - self.last) / new)

@@ -86,6 +86,9 @@ class Controller:
         self.deadline_s = deadline_s or float(os.environ.get("LATENTSERVE_RANK_DEADLINE_S", "120"))
         self.request_timeout_s = request_timeout_s or float(os.environ.get("LATENTSERVE_REQUEST_TIMEOUT_S", "600"))
         self.metrics = Metrics()
+        # Summed over streams' first tokens: HTTP arrival to add_request answered, and to the first
+        # token here. With the engine's own split (its stats' first_token) they place a TTFT's time.
+        self.first_token = {"requests": 0, "admit_s": 0.0, "ttft_s": 0.0}
         self.weight_snapshot = weight_snapshot  # what POST /restart keeps of tensor updates
         self.started = time.time()
         self.coordinator: Coordinator | None = None
@@ -388,7 +391,8 @@ class Controller:
             engine = {"error": executor.error_text(e)}
         out = {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
                "tp": n, "same_node": executor.same_node, "nodes": list(executor.nodes), "backend": self.backend,
-               "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks}
+               "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks,
+               "first_token": {k: round(v, 6) for k, v in self.first_token.items()}}
         if self.backend == "ray":
             import ray
 
