@@ -9,9 +9,10 @@ prefill step, mixed steps while prompts still arrive, then decodes. Every `execu
 with a device sync, and its host part apart: the time until `execute` returns (the launch) and
 the host syncs inside it (torch's sync debug mode). Run 69: a served mixed step held the host
 34 ms at 256 streams, a graphed decode step 0.3 ms; whether that is launching or waiting is what
-`host_ms` and `syncs` say. Wave 1 against the last wave is what first uses inside served steps cost
-(plans, compiles, lazy kernel loads); the startup warm-up exists to make it 1.0. Triton
-compiles during each wave are counted, where Triton is installed.
+`host_ms`, `syncs` and the first sync say (`mixed_first_sync`: host ms until it, and its line;
+run 75: one sync a step, host 0.83 of the step). Wave 1 against the last wave is what first
+uses inside served steps cost (plans, compiles, lazy kernel loads); the startup warm-up exists to
+make it 1.0. Triton compiles during each wave are counted, where Triton is installed.
 On a CPU it runs `tiny` at TP 1 (a check of the script, not a measurement).
 """
 
@@ -55,8 +56,14 @@ class StepClock:
             if clock.cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with warnings.catch_warnings(record=True) as syncs:
+            syncs = []  # (ms since t0, where): the warning comes before the sync waits
+
+            def seen(message, *a, **k):
+                if "synchroniz" in str(message):
+                    syncs.append(((time.perf_counter() - t0) * 1e3, sync_site()))
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = seen
                 if clock.cuda:
                     torch.cuda.set_sync_debug_mode("warn")
                 try:
@@ -68,9 +75,8 @@ class StepClock:
             if clock.cuda:
                 torch.cuda.synchronize()
             decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 and c.start_pos > 0)
-            n_syncs = sum("synchroniz" in str(w.message) for w in syncs)
             clock.steps.append((decodes, len(plan.chunks) - decodes, sum(len(c.token_ids) for c in plan.chunks),
-                                (time.perf_counter() - t0) * 1e3, host * 1e3, n_syncs))
+                                (time.perf_counter() - t0) * 1e3, host * 1e3, len(syncs), syncs[:1]))
             return out
 
         RankWorker.execute = execute
@@ -91,11 +97,23 @@ class StepClock:
         JITFunction._do_compile = counted
 
 
+def sync_site() -> str:
+    """The innermost latentserve frame below this warning: where a step waits for the device."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if f"{os.sep}service{os.sep}" in frame.filename:
+            return f"{os.path.relpath(frame.filename, ROOT)}:{frame.lineno} {frame.name}"
+    return "?"
+
+
 def summary(steps: list[tuple]) -> dict:
     mixed = [s for s in steps if s[0] and s[1]]
     prefill = [s[3] for s in steps if s[1] and not s[0]]
     return {"steps": len(steps), "mixed_ms": [round(s[3], 1) for s in mixed], "mixed_total_ms": sum(s[3] for s in mixed),
             "mixed_host_ms": [round(s[4], 1) for s in mixed], "mixed_host_syncs": [s[5] for s in mixed],
+            # host ms until the first sync, and where it is: the launching before the step waits
+            "mixed_first_sync": [(round(s[6][0][0], 1), s[6][0][1]) if s[6] else None for s in mixed],
             "prefill_ms": [round(x, 1) for x in prefill], "step_ms_total": sum(s[3] for s in steps)}
 
 
@@ -147,7 +165,8 @@ def main() -> int:
           f"first wave, {warm['triton_compiles']} in the last)", flush=True)
     host, total = sum(warm["mixed_host_ms"]), warm["mixed_total_ms"]
     print(f"warm mixed steps: host (until execute returns) / whole step {host:.1f} / {total:.1f} ms = "
-          f"{host / total if total else float('nan'):.2f}; host syncs a step {warm['mixed_host_syncs']}", flush=True)
+          f"{host / total if total else float('nan'):.2f}; host syncs a step {warm['mixed_host_syncs']}; first sync "
+          f"(host ms, where) {warm['mixed_first_sync']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "argv": argv, "waves": waves, "first_over_warm": ratio}, f, indent=1)
