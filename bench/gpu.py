@@ -565,6 +565,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # 2-16 rows' tensor-core tiles in 512-wide K steps (gemv.dot_max_k): twice the weight
              # bytes in flight an SM; predicted 0.98-0.99x at batch 8, nothing at 1, 64 or 256.
              "gemv_dot_k512": {"LATENTSERVE_GEMV_DOT_MAX_K": "512"},
+             # Candidate: 2-64 rows' GEMVs split over K where gemv_split.plan counts fewer bytes through
+             # the busiest SM (run 74: 26.7 us a layer at 64 rows for 8.6 us of bytes); predicted
+             # 0.97-0.98x at batch 64, ~0.98x at 8, nothing at 1 or 256.
+             "gemv_split_k": {"LATENTSERVE_GEMV_SPLIT_K": "1"},
              # 16-row tensor-core tiles for wide outputs too (gemv.dot_config before run 41).
              "gemv_narrow_tiles": {"LATENTSERVE_GEMV_WIDE_TILES": "0"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).

@@ -55,8 +55,9 @@ group() {  # name, seconds, pytest args...
 }
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
 if { [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
+  [ "$what" = bench ] && group gemv_split 60 tests/gpu/test_gemv_split.py  # the candidate timed below
   s=$(date +%s)
-  baselines=same_build,gemv_dot_k512,align_kernel,align_in_512,entry_wide_n,mla_16_warps,small_batch,no_pdl
+  baselines=same_build,gemv_split_k,entry_wide_n,no_pdl
   [ "$what" = quick ] && baselines=same_build,small_batch,mla_16_warps,align_kernel
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
     --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8,64,256 --baselines "$baselines" \
@@ -158,7 +159,7 @@ if [ "$what" = tests_kernels ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests_kda ] || [ "$what" = all ]; then
   group kda 300 tests/gpu/test_kda_decode_step.py tests/gpu/test_kda_decode_conv.py tests/gpu/test_gemv_multi.py \
-    tests/gpu/test_kda_cuda.py tests/gpu/test_attn_res_kernel.py
+    tests/gpu/test_kda_cuda.py tests/gpu/test_attn_res_kernel.py tests/gpu/test_gemv_split.py
   group fp8 150 tests/gpu/test_fp8.py
   group comm 60 tests/gpu/test_device_comm.py
 fi
