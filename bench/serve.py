@@ -22,7 +22,8 @@ generates the same prompts and lengths in waves of --clients; HTTP / offline out
 what serving over HTTP costs. Then `--cycles` level-1 and level-2 sleep/wake cycles: the
 controller's overhead is the HTTP round trip minus the slowest rank's own reported seconds.
 --baseline-args '--async-output off': the same levels again on a second server started with
-those extra options, in the same run, and the ratio of output tokens/s.
+those extra options, in the same run, and the ratio of output tokens/s; NAME=VALUE words are that
+server's environment (e.g. 'LATENTSERVE_INTAKE_BATCH=0').
 The last line is `SUMMARY {json}`.
 """
 
@@ -34,6 +35,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -404,14 +406,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_levels(args, argv_serve: list[str] | None, levels, prompts) -> tuple[list[dict], dict]:
-    """Start the server (unless --url), warm it, run each load level; (loads, sleep/wake overhead)."""
+def run_levels(args, argv_serve: list[str] | None, levels, prompts, env: dict | None = None) -> tuple[list[dict], dict]:
+    """Start the server (unless --url; with `env` set), warm it, run each load level; (loads,
+    sleep/wake overhead)."""
     server = None
     if args.url:
         url, key = args.url, args.admin_key
     else:
         log(f"starting {args.model} TP {args.tp} on {args.device}: {' '.join(argv_serve)}")
-        server, seconds = start_healthy(argv_serve, log_path=args.server_log)
+        server, seconds = start_healthy(argv_serve, log_path=args.server_log, env=env)
         log(f"ready in {seconds:.1f} s (log {server.log_path})")
         url, key = server.url, server.admin_key
     loads, overhead = [], {}
@@ -446,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     loads, overhead = run_levels(args, argv_serve, levels, prompts)
     if args.baseline_args:  # the same load on a second server with these options, in this run
         extra = shlex.split(args.baseline_args)
-        base_loads, _ = run_levels(argparse.Namespace(**{**vars(args), "cycles": 0}), argv_serve + extra,
-                                   levels, prompts)
+        env = dict(t.split("=", 1) for t in extra if re.match(r"[A-Z][A-Z0-9_]*=", t))  # LATENTSERVE_X=0 ...
+        base_loads, _ = run_levels(argparse.Namespace(**{**vars(args), "cycles": 0}),
+                                   argv_serve + [t for t in extra if t.split("=", 1)[0] not in env], levels, prompts, env)
         for load, base in zip(loads, base_loads):
             load["baseline_args"] = extra
             load["baseline_tokens_per_s"] = base["tokens_per_s"]
