@@ -68,3 +68,20 @@ def test_a_failed_rpc_fails_every_request_in_it():
         assert [o.status for o in outcomes] == [503, 503]
 
     asyncio.run(run())
+
+
+def test_a_broken_answer_fails_the_requests_instead_of_leaving_them_waiting():
+    async def run():
+        async def short(method, items):
+            return [None]  # one outcome for two requests
+
+        async def crash(method, items):
+            raise KeyError("bug")
+
+        for call in (short, crash):
+            intake = Intake(call, engine_refusal)
+            outcomes = await asyncio.wait_for(asyncio.gather(intake.add([item("a"), item("b")]),
+                                                             return_exceptions=True), 5)
+            assert isinstance(outcomes[0], APIError) and outcomes[0].status == 500
+
+    asyncio.run(run())

@@ -58,6 +58,10 @@ class Intake:
                     raise
                 except APIError as e:  # rank 0 dead, late, or refusing them all (asleep, paused)
                     refused = [e] * len(batch)
+                except Exception as e:  # never leave a request waiting on an answer that cannot come
+                    refused = [APIError(500, f"rank 0 add_requests failed: {type(e).__name__}: {e}")] * len(batch)
+                if not isinstance(refused, list) or len(refused) != len(batch):
+                    refused = [APIError(500, f"rank 0 answered add_requests with {refused!r:.200}")] * len(batch)
                 _settle(batch, [None if r is None else r if isinstance(r, APIError) else self._as_error(r)
                                 for r in refused])
         finally:
