@@ -183,6 +183,7 @@ def summarize(clients: int, results: list[dict], errors: list[str]) -> dict:
                "requests_per_s": len(results) / wall if results else 0.0}
     for name, xs in (("ttft", [r["ttft"] for r in results]), ("itl", itl), ("e2e", [r["e2e"] for r in results])):
         summary[name] = {f"p{q}": pct(xs, q) for q in (50, 90, 99)}
+        summary[name]["mean"] = sum(xs) / len(xs) if xs else float("nan")  # beside the server's means
     if errors:
         summary["first_error"] = errors[0]
     return summary
@@ -429,6 +430,7 @@ def run_levels(args, argv_serve: list[str] | None, levels, prompts, env: dict | 
                 load["engine_steps"] = step_phases(before, after)
             log(f"{clients} clients: {load['tokens_per_s']:.1f} output tokens/s, {load['requests']} requests, "
                 f"{load['errors']} errors; TTFT p50/p99 {load['ttft']['p50'] * 1e3:.0f}/{load['ttft']['p99'] * 1e3:.0f} "
+                f"(mean {load['ttft']['mean'] * 1e3:.0f}) "
                 f"ms, ITL p50/p99 {load['itl']['p50'] * 1e3:.1f}/{load['itl']['p99'] * 1e3:.1f} ms; engine steps "
                 f"{load.get('engine_steps')}")
             loads.append(load)

@@ -78,7 +78,8 @@ def test_summary_percentiles_and_rates():
     assert s["requests"] == 4 and s["errors"] == 1 and s["first_error"] == "boom"
     assert s["wall_s"] == pytest.approx(5.0) and s["tokens_per_s"] == pytest.approx(16 / 5.0)
     assert s["ttft"]["p50"] == pytest.approx(0.2) and s["ttft"]["p99"] == pytest.approx(0.3)  # nearest rank
-    assert s["itl"] == {"p50": 0.01, "p90": 0.01, "p99": 0.01}
+    assert s["itl"] == pytest.approx({"p50": 0.01, "p90": 0.01, "p99": 0.01, "mean": 0.01})
+    assert s["ttft"]["mean"] == pytest.approx(0.15)
     empty = bench.summarize(2, [], ["all failed"])
     assert empty["requests"] == 0 and empty["tokens_per_s"] == 0.0
 
