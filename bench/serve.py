@@ -211,6 +211,12 @@ def step_phases(before: dict, after: dict) -> dict:
     split = first_token_split(before, after)
     if split:
         out["first_token_ms"] = split
+    if after.get("process_cpu_s") is not None and before.get("process_cpu_s") is not None:
+        # The HTTP server process (controller, event loop, streams): ~1.0 is one core, saturated.
+        out["api_cpu"] = round((after["process_cpu_s"] - before["process_cpu_s"]) / (after["at"] - before["at"]), 3)
+    lag_a, lag_b = after.get("loop_lag"), before.get("loop_lag")
+    if lag_a and lag_b and lag_a["samples"] > lag_b["samples"]:
+        out["loop_lag_ms"] = round((lag_a["lag_s"] - lag_b["lag_s"]) / (lag_a["samples"] - lag_b["samples"]) * 1e3, 2)
     if after.get("handovers") and before.get("handovers"):
         out["handovers"] = {k: v - before["handovers"].get(k, 0) for k, v in after["handovers"].items()}
     return out
@@ -250,7 +256,8 @@ def engine_stats(url: str, key: str | None) -> dict | None:
         with Client(url, key) as c:
             status = c.status()
             stats = with_replays(status["engine"], c.collective_rpc("graph_stats", ranks=[0]))
-            return {**stats, "controller_first_token": status.get("first_token")}
+            return {**stats, "controller_first_token": status.get("first_token"), "at": time.monotonic(),
+                    "loop_lag": status.get("loop_lag"), "process_cpu_s": status.get("process_cpu_s")}
     except Exception:  # noqa: BLE001 - an external server without an admin key: no step phases
         return None
 

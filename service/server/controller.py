@@ -39,6 +39,7 @@ PARK_S = 3600.0
 # Pings that time out (a rank busy on 2 shared cores) only count after a few in a row; a dead
 # actor counts at once.
 MISSED_PINGS_UNHEALTHY = 3
+LOOP_LAG_PERIOD_S = 0.05
 
 
 def engine_refusal(e: BaseException) -> APIError:
@@ -99,6 +100,9 @@ class Controller:
         # Summed over streams' first tokens: HTTP arrival to add_request answered, and to the first
         # token here. With the engine's own split (its stats' first_token) they place a TTFT's time.
         self.first_token = {"requests": 0, "admit_s": 0.0, "ttft_s": 0.0}
+        # How late the event loop runs a timer, summed: HTTP intake, every stream's chunks and the
+        # poller share one loop, and a late loop delays first tokens outside the split above.
+        self.loop_lag = {"samples": 0, "lag_s": 0.0}
         self.weight_snapshot = weight_snapshot  # what POST /restart keeps of tensor updates
         self.started = time.time()
         self.coordinator: Coordinator | None = None
@@ -109,6 +113,7 @@ class Controller:
         self._ids = itertools.count()
         self._closing = threading.Event()
         self._poller: asyncio.Task | None = None
+        self._lag_watch: asyncio.Task | None = None
         self._watcher: threading.Thread | None = None
         self._missed = 0
         self.intake = Intake(self.rank0, engine_refusal)
@@ -182,14 +187,16 @@ class Controller:
         gc.collect()
         gc.freeze()
         self._poller = asyncio.create_task(self._poll_loop(), name="rank0-poller")
+        self._lag_watch = asyncio.create_task(self._watch_loop_lag(), name="loop-lag")
         self._watcher = threading.Thread(target=self._watch_health, name="health-watcher", daemon=True)
         self._watcher.start()
 
     async def close(self) -> None:
         gc.unfreeze()  # an in-process controller's startup objects can be collected again
         self._closing.set()
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (self._poller, self._lag_watch):
+            if task is not None:
+                task.cancel()
         self._fail_all(503, "the server is shutting down")
         if self.executor is not None:
             await asyncio.to_thread(self.executor.shutdown)
@@ -314,6 +321,13 @@ class Controller:
                 if route is not None:
                     route.queue.put_nowait(route.accumulate(out))
 
+    async def _watch_loop_lag(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(LOOP_LAG_PERIOD_S)
+            self.loop_lag["samples"] += 1
+            self.loop_lag["lag_s"] += max(0.0, time.monotonic() - t0 - LOOP_LAG_PERIOD_S)
+
     def _fail_all(self, status: int, message: str) -> None:
         routes = {id(r): r for r in list(self._routes.values())}
         for route in routes.values():
@@ -400,7 +414,8 @@ class Controller:
         out = {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
                "tp": n, "same_node": executor.same_node, "nodes": list(executor.nodes), "backend": self.backend,
                "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks,
-               "first_token": {k: round(v, 6) for k, v in self.first_token.items()}, "intake": dict(self.intake.stats)}
+               "first_token": {k: round(v, 6) for k, v in self.first_token.items()}, "intake": dict(self.intake.stats),
+               "loop_lag": dict(self.loop_lag), "process_cpu_s": time.process_time()}
         if self.backend == "ray":
             import ray
 
