@@ -53,6 +53,13 @@ def cmd_verify_sleep(args: argparse.Namespace) -> int:
     return verify_main(args)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="latentserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline for sleep/wake/update on every rank (default env LATENTSERVE_RANK_DEADLINE_S or 120)")
     s.add_argument("--request-timeout-s", type=float, default=None,
                    help="longest a generation request may take (default env LATENTSERVE_REQUEST_TIMEOUT_S or 600)")
+    s.add_argument("--stream-interval", type=_at_least_one, default=1,
+                   help="streamed tokens a chunk (vLLM's option): a stream's first token goes at once, then a "
+                        "chunk once this many are new or it ends; more than 1 trades smoothness for fewer writes "
+                        "a second at many streams (default 1)")
     s.add_argument("--enable-test-hooks", action="store_true",
                    help="allow state-changing collective_rpc hooks (negative controls); never in production")
     s.add_argument("--weight-snapshot", choices=("off", "host"), default="off",

@@ -153,6 +153,9 @@ class _View:
 
     def __init__(self, ctl: Controller, endpoint: str, rid: str, top_n: int):
         self.ctl, self.endpoint, self.rid, self.top_n = ctl, endpoint, rid, top_n
+        # A stream's chunk waits for this many new tokens (but its first and its last): at 256
+        # streams one write a token a stream was a third of the HTTP process's time (py-spy, CPU).
+        self.interval = getattr(ctl, "stream_interval", 1)
         self.created = int(time.time())
         self.sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, choice) -> (tokens, chars)
 
@@ -176,7 +179,7 @@ class _View:
             first = key not in self.sent
             tokens, chars = self.sent.get(key, (0, 0))
             text = c.text or ""
-            if len(c.token_ids) == tokens and not c.finish_reason and not first:
+            if len(c.token_ids) - tokens < self.interval and not c.finish_reason and not first:
                 continue
             self.sent[key] = (len(c.token_ids), len(text))
             delta_text, delta_ids = text[chars:], c.token_ids[tokens:]

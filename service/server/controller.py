@@ -86,8 +86,9 @@ class Route:
 class Controller:
     def __init__(self, config: EngineConfig, *, model_name: str, enable_test_hooks: bool = False,
                  deadline_s: float | None = None, request_timeout_s: float | None = None,
-                 weight_snapshot: str = "off", backend: str = "ray"):
+                 weight_snapshot: str = "off", backend: str = "ray", stream_interval: int = 1):
         self.config = config
+        self.stream_interval = stream_interval  # tokens a streamed chunk (--stream-interval)
         # ray: an actor per rank (the product); mp: a process per rank, no Ray (a GPU box without
         # it): the same controller, without the Ray object-store weight transport (`refs`).
         self.backend = backend

@@ -1,0 +1,36 @@
+"""--stream-interval: a stream's chunk carries this many new tokens, but its first and its last,
+and the chunks together carry every token and the whole text once (vLLM's option of that name)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from service.cli import build_parser
+from service.outputs import CompletionOutput, RequestOutput
+from service.server.completions import _View
+
+
+def upto(n: int, finished: bool = False) -> RequestOutput:
+    ids = list(range(10, 10 + n))
+    text = "".join(f"t{i} " for i in ids)
+    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, ids, finish_reason="length" if finished else None)],
+                         finished=finished)
+
+
+@pytest.mark.parametrize("interval,expected", [(1, [[i] for i in range(10, 18)]),
+                                                (3, [[10], [11, 12, 13], [14, 15, 16], [17]])])
+def test_chunks_wait_for_the_interval_but_the_first_and_the_last(interval, expected):
+    view = _View(SimpleNamespace(stream_interval=interval, model_name="m", token_text=str), "completions", "c", 0)
+    chunks = [c for n in range(1, 9) for c in view.chunks(0, upto(n, finished=n == 8))]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == expected
+    assert "".join(c["choices"][0]["text"] for c in chunks) == upto(8).outputs[0].text
+
+
+def test_the_cli_takes_one_or_more():
+    assert build_parser().parse_args(["serve", "--stream-interval", "4"]).stream_interval == 4
+    assert build_parser().parse_args(["serve"]).stream_interval == 1
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--stream-interval", "0"])
+    assert e.value.code == 2
