@@ -18,14 +18,15 @@
 # `save_cache`: packs the Triton and Inductor caches the lease built into $OUT (copy the parts
 # into .gpu/cache/, which every call restores first). `mixed`:
 # bench/mixed_steps.py (a mixed step's host part and syncs), then serving both ways (the TTFT of
-# the hand-over before a prefill launch, 5cc1275). `serve_intake`: serving with the controller's
-# batched intake against one add_request RPC a prompt (LATENTSERVE_INTAKE_BATCH=0). Both print
-# each load's first-token split (`first_token_ms`: admit, queue, device, report, rest).
+# the hand-over before a prefill launch, 5cc1275). `serve_http`: serving with the controller's
+# batched intake against one add_request RPC a prompt (LATENTSERVE_INTAKE_BATCH=0), then
+# `--stream-interval 4` against 1. All print each load's first-token split (`first_token_ms`:
+# admit, queue, device, report, rest), the HTTP process's cores (`api_cpu`) and loop lag.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|serve_intake|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,11 +82,16 @@ if [ "$what" = mixed ]; then  # a mixed step's host part and host syncs (~150 s)
   echo "== serve_async rc=$?"
   grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
 fi
-if [ "$what" = serve_intake ]; then  # the controller's batched intake against an RPC a prompt (both async output)
-  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline \
+if [ "$what" = serve_http ]; then  # the HTTP process's batching: intake, then --stream-interval (async output)
+  OUT="$OUT" timeout "$(( $(left) / 2 ))" bash bench/gpu_serve.sh serve --no-offline \
     --baseline-args "LATENTSERVE_INTAKE_BATCH=0" > "$OUT/serve_intake.log" 2>&1
   echo "== serve_intake rc=$?"
   grep -E "serve-bench|throughput" "$OUT/serve_intake.log" | cut -c1-1200
+  mv "$OUT/serve_cuda.json" "$OUT/serve_intake.json" 2>/dev/null
+  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline \
+    --serve-args "--stream-interval 4" --baseline-args "--stream-interval 1" > "$OUT/serve_interval.log" 2>&1
+  echo "== serve_interval rc=$?"
+  grep -E "serve-bench|throughput" "$OUT/serve_interval.log" | cut -c1-1200
 fi
 if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
   timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \
