@@ -168,6 +168,11 @@ LAUNCHES += [(f"moe entry rows {_name}", lambda c=_c, t=_t, ieee=_ieee: (
                                        FP8=False, BN=16, BK=16, SUB=16), 4, c[2], t))
     for _name, _c, _t, _ieee in (("bf16 default", (16, 256, 3), ENTRY, False), ("bf16 wide n", (32, 256, 4), ENTRY, False),
                                  ("fp32 16x512", (16, 512, 2), ENTRY32, True), ("fp32 32x256", (32, 256, 2), ENTRY32, True))]
+# LATENTSERVE_MOE_ENTRY_TALL's 64-row tiles of 32 and 64 outputs (128-wide K steps, 3 stages).
+LAUNCHES += [(f"moe entry rows tall 64x{_bn}", lambda bn=_bn: (
+    moe_entry._entry_rows_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, IEEE=False,
+                                       FP8=False, BN=16, BK=16, SUB=16), 8 if bn == 64 else 4, 3, ENTRY))
+    for _bn in (32, 64)]
 
 # The GEMV's split-K candidate (gemv_split.plan at 2-64 rows of `small`'s projections): 16-row
 # and 64-row tiles up to 64 outputs (BLOCK_K 256 and 128), paired or not, at 4 stages.
