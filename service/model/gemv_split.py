@@ -21,6 +21,7 @@ import os
 import torch
 
 from . import pdl
+from .counters import ArrivalCounters
 
 try:
     import triton
@@ -66,18 +67,7 @@ def rows_tile(m: int) -> int:
     return 16 if m <= 16 else 64
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 arrival counters, which the kernel leaves zeroed; None where a larger buffer
-    would have to be made inside a CUDA graph capture (that launch runs unsplit)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+COUNTERS = ArrivalCounters()
 
 
 if triton is not None:
@@ -152,7 +142,7 @@ if triton is not None:
             return False
         bm = rows_tile(m)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, bm), cfg["SPLIT"])
-        counters = _counters(x.device, grid[0] * grid[1])
+        counters = COUNTERS.get(x.device, grid[0] * grid[1])
         if counters is None:
             return False
         part = torch.empty(cfg["SPLIT"], grid[1] * bm, n, dtype=torch.float32, device=x.device)

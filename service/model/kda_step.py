@@ -27,6 +27,7 @@ import torch
 
 from . import kda_ops, pdl
 from .attn_metadata import AttnMetadata
+from .counters import ArrivalCounters
 
 try:
     import triton
@@ -256,18 +257,13 @@ def split_max_rows() -> int:
     return int(os.environ.get("LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS", "0"))
 
 
-_ARRIVALS: dict = {}
+_ARRIVALS = ArrivalCounters()
 
 
 def _arrivals(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 arrival counters on device, which the kernel leaves zeroed; None when a larger
-    buffer would have to be made inside a CUDA graph capture (that step runs unsplit)."""
-    buf = _ARRIVALS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _ARRIVALS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+    """n zeroed arrival counters (None inside a capture that would need a larger buffer: that step
+    runs unsplit)."""
+    return _ARRIVALS.get(device, n)
 
 
 def fb_max_rows() -> int:

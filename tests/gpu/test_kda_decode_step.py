@@ -13,6 +13,7 @@ from kernel_env import DEVICE, INTERPRET, fill_random, kernel_marks, require_ker
 require_kernel_device()
 
 from service.model import kda_step  # noqa: E402
+from service.model.counters import ArrivalCounters  # noqa: E402
 
 pytestmark = kernel_marks(180)
 
@@ -43,7 +44,8 @@ def draw(heads: int, d: int, width: int, dtype: torch.dtype, seed: int) -> dict:
 
 def assert_arrivals_zeroed() -> None:
     """A split step made its arrival counters and left them zeroed, for the next step or replay."""
-    assert kda_step._ARRIVALS and not any(buf.any() for buf in kda_step._ARRIVALS.values())
+    buffers = kda_step._ARRIVALS.buffers
+    assert buffers and not any(buf.any() for buf in buffers.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -132,7 +134,7 @@ def test_kda_layer_decodes_through_the_step_kernel(preset, multi, f_b_rows, spli
     extra = {"linear": {"use_full_rank_gate": False}, "bounded": {"gate_lower_bound": -5.0}}.get(preset, {})
     if split_rows != "0":  # head width 64: two 32-column programs a head
         extra = {**extra, "head_dim": 64}
-        monkeypatch.setattr(kda_step, "_ARRIVALS", {})
+        monkeypatch.setattr(kda_step, "_ARRIVALS", ArrivalCounters())
     cfg = dataclasses.replace(cfg, linear_attn_config={**cfg.linear_attn_config, **extra})
     layer = KimiDeltaAttention(cfg, TPGroup.single(), 0, torch.float32)
     g = torch.Generator().manual_seed(len(preset))
