@@ -56,10 +56,9 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
             params: SamplingParams) -> None:
-        with self._cv:
-            self._check_accepting()
-            self.engine.add_request(request_id, prompt, prompt_token_ids, params)
-            self._cv.notify_all()
+        refused = self.add_many([(request_id, prompt, prompt_token_ids, params)])[0]
+        if refused is not None:
+            raise refused
 
     def add_many(self, items: list[tuple]) -> list[InvalidRequest | None]:
         """add() of each (request_id, prompt, prompt_token_ids, params) under one hold of the lock:
