@@ -77,8 +77,7 @@ async def _serve(ctl: Controller, request: Request, endpoint: str, prompts, para
                  stream: bool, include_usage: bool, top_n: int = 0):
     arrival = time.monotonic()
     route = await ctl.submit(prompts, params, prefix="chatcmpl" if endpoint == "chat" else "cmpl")
-    timer = _TokenTimer(ctl, endpoint, arrival)
-    timer.admitted = time.monotonic()
+    timer = _TokenTimer(ctl, endpoint, arrival, admitted=time.monotonic())
     view = _View(ctl, endpoint, new_id("chatcmpl" if endpoint == "chat" else "cmpl"), top_n)
     if stream:
         gen = _stream(ctl, route, view, timer, include_usage, arrival + ctl.request_timeout_s)
@@ -198,11 +197,11 @@ class _View:
 class _TokenTimer:
     """Time to first token and inter-token latency as the controller sees them."""
 
-    def __init__(self, ctl: Controller, endpoint: str, arrival: float):
+    def __init__(self, ctl: Controller, endpoint: str, arrival: float, admitted: float):
         self.metrics = ctl.metrics
         self.first_token = ctl.first_token
         self.endpoint = endpoint
-        self.arrival = self.admitted = arrival
+        self.arrival, self.admitted = arrival, admitted  # admitted: rank 0 holds the request
         self.last: float | None = None
         self.tokens: dict[tuple[str, int], int] = {}
 
