@@ -356,7 +356,7 @@ if triton is not None:
             bn2, bk2 = block_of(wb, scale2)
             fp8 = {"FP8_2": True, "BN2": bn2, "BK2": bk2, "SUB2": min(bk2, cfg["BLOCK_K"])}
         if (cfg["DOT"] and norm is None and not slots and scale2 is None and gemv_split.enabled()
-                and gemv_split.launch(x2, weight, y, pair, sm_count(x2.device))):
+                and gemv_split.launch(x2, weight, y, pair, sm_count(x2.device), block_m)):
             return
         s2 = scale2 if scale2 is not None else x2  # unread without FP8_2
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](

@@ -36,13 +36,13 @@ def enabled() -> bool:
     return os.environ.get("LATENTSERVE_GEMV_SPLIT_K", "0") == "1"
 
 
-def plan(m: int, n: int, k: int, k2: int, sms: int, itemsize: int) -> dict | None:
+def plan(m: int, n: int, k: int, k2: int, sms: int, itemsize: int, bm: int) -> dict | None:
     """Launch shape (BLOCK_N, SPLIT, BLOCK_K, the K ranges a split) for m rows of [n, k] (+ [n, k2]
-    paired), or None where one split is as good: bytes a program (its rows of x and its weight
-    slice over its K range, then the partials the last program reads) times the programs an SM."""
-    if m > 64:  # above 64 rows: gemv's row blocks
+    paired) in gemv's bm-row tiles, or None where one split is as good: bytes a program (its rows
+    of x and its weight slice over its K range, then the partials the last program reads) times
+    the programs an SM."""
+    if m > bm:  # above 64 rows: gemv's row blocks
         return None
-    bm = rows_tile(m)
     best = None
     for bn in (16, 32, 64, 128):
         if bn > max(16, triton.next_power_of_2(n)) or (bn == 128 and bm < 64):
@@ -60,11 +60,6 @@ def plan(m: int, n: int, k: int, k2: int, sms: int, itemsize: int) -> dict | Non
             if best is None or cost < best[0]:
                 best = (cost, {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "CHUNK": chunk, "CHUNK2": chunk2})
     return None if best is None or best[1]["SPLIT"] == 1 else best[1]
-
-
-def rows_tile(m: int) -> int:
-    """gemv.rows_tile's tensor-core tiles: 16 rows, or 64 from 17."""
-    return 16 if m <= 16 else 64
 
 
 COUNTERS = ArrivalCounters()
@@ -131,16 +126,15 @@ if triton is not None:
             tl.store(y_ptr + m[:, None] * stride_y + n[None, :], total.to(y_ptr.dtype.element_ty), mask=tile_mask)
 
     def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
-               pair: tuple[torch.Tensor, torch.Tensor] | None, sms: int) -> bool:
+               pair: tuple[torch.Tensor, torch.Tensor] | None, sms: int, bm: int) -> bool:
         """y = x @ weight^T (+ pair[0] @ pair[1]^T) split over K where `plan` says it pays; False
         (nothing launched) where it does not or no counters can be had."""
         m, k, n = y.shape[0], x.shape[1], weight.shape[0]
         xb, wb = pair if pair is not None else (x, weight)
         k2 = xb.shape[1] if pair is not None else 0
-        cfg = plan(m, n, k, k2, sms, weight.element_size())
+        cfg = plan(m, n, k, k2, sms, weight.element_size(), bm)
         if cfg is None:
             return False
-        bm = rows_tile(m)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, bm), cfg["SPLIT"])
         counters = COUNTERS.get(x.device, grid[0] * grid[1])
         if counters is None:

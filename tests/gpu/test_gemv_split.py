@@ -22,14 +22,14 @@ SHAPES = [(1344, 2048), (100, 96)] if INTERPRET else [(1344, 2048), (3072, 768),
 def test_plan_splits_where_few_long_programs_would_run():
     """At 64 rows fused_qkv_a's 84 programs of 16 outputs (~320 KB each through an SM) become
     more, shorter ones; a shape already spread over the SMs with little to read stays unsplit."""
-    cfg = gemv_split.plan(64, 1344, 2048, 0, 132, 2)
+    cfg = gemv_split.plan(64, 1344, 2048, 0, 132, 2, 64)
     assert cfg is not None and cfg["SPLIT"] > 1
     programs = -(-1344 // cfg["BLOCK_N"]) * cfg["SPLIT"]
     assert 84 < programs <= 132 * 2 and cfg["CHUNK"] * cfg["SPLIT"] >= 2048
-    paired = gemv_split.plan(8, 2048, 512, 768, 132, 2)
+    paired = gemv_split.plan(8, 2048, 512, 768, 132, 2, 16)
     assert paired is None or (paired["CHUNK"] * paired["SPLIT"] >= 512 and paired["CHUNK2"] * paired["SPLIT"] >= 768)
-    assert gemv_split.plan(130, 2048, 2048, 0, 132, 2) is None  # above 64 rows: the row blocks
-    assert gemv_split.plan(4, 100, 96, 0, 132, 2) is None
+    assert gemv_split.plan(130, 2048, 2048, 0, 132, 2, 64) is None  # above 64 rows: the row blocks
+    assert gemv_split.plan(4, 100, 96, 0, 132, 2, 16) is None
 
 
 def _counted(monkeypatch) -> list:
@@ -49,7 +49,7 @@ def test_split_k_matches_reference_and_repeats_bitwise(n, k, m, dtype, monkeypat
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
     y = torch.ops.latentserve.gemv(x, w)
-    split = gemv_split.plan(m, n, k, 0, gemv.sm_count(x.device), x.element_size()) is not None
+    split = gemv_split.plan(m, n, k, 0, gemv.sm_count(x.device), x.element_size(), gemv.rows_tile(m, True)) is not None
     assert calls == [split]
     tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=tol * 4, rtol=tol)
