@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -99,8 +100,6 @@ class StepClock:
 
 def sync_site() -> str:
     """The innermost latentserve frame below this warning: where a step waits for the device."""
-    import traceback
-
     for frame in reversed(traceback.extract_stack()[:-2]):
         if f"{os.sep}service{os.sep}" in frame.filename:
             return f"{os.path.relpath(frame.filename, ROOT)}:{frame.lineno} {frame.name}"
