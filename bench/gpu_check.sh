@@ -18,15 +18,17 @@
 # `save_cache`: packs the Triton and Inductor caches the lease built into $OUT (copy the parts
 # into .gpu/cache/, which every call restores first). `mixed`:
 # bench/mixed_steps.py (a mixed step's host part and syncs), then serving both ways (the TTFT of
-# the hand-over before a prefill launch, 5cc1275). `serve_http`: serving with the controller's
-# batched intake against one add_request RPC a prompt (LATENTSERVE_INTAKE_BATCH=0), then
-# `--stream-interval 4` against 1. All print each load's first-token split (`first_token_ms`:
-# admit, queue, device, report, rest), the HTTP process's cores (`api_cpu`) and loop lag.
+# the hand-over before a prefill launch, 5cc1275). `serve_http`: serving at 64 and 256 streams
+# with py-spy (bench/server_profile.py) on the server's processes at 256 (runs 78-79: clients
+# waited ~100 ms more for a first token than the server's clock says, with its HTTP process at
+# 0.75-0.8 of a core); `bench_http`: `bench`, then `serve_http`. Serving prints each load's
+# first-token split (`first_token_ms`: admit, queue, device, report, rest), the HTTP process's
+# cores (`api_cpu`) and loop lag.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +59,7 @@ group() {  # name, seconds, pytest args...
   echo "== $name rc=$? $(( $(date +%s) - s ))s: $(grep -E 'passed|failed|error|skipped|no tests ran' "$OUT/$name.txt" | tail -1)"
 }
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
-if { [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
+if { [ "$what" = bench ] || [ "$what" = bench_http ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
   # the candidates timed below, on this GPU first
   [ "$what" = bench ] && group candidates 90 tests/gpu/test_gemv_split.py tests/gpu/test_moe_entry.py -k "split or tall"
   s=$(date +%s)
@@ -83,16 +85,11 @@ if [ "$what" = mixed ]; then  # a mixed step's host part and host syncs (~150 s)
   echo "== serve_async rc=$?"
   grep -E "serve-bench|throughput" "$OUT/serve_async.log" | cut -c1-900
 fi
-if [ "$what" = serve_http ]; then  # the HTTP process's batching: intake, then --stream-interval (async output)
-  OUT="$OUT" timeout "$(( $(left) / 2 ))" bash bench/gpu_serve.sh serve --no-offline \
-    --baseline-args "LATENTSERVE_INTAKE_BATCH=0" > "$OUT/serve_intake.log" 2>&1
-  echo "== serve_intake rc=$?"
-  grep -E "serve-bench|throughput" "$OUT/serve_intake.log" | cut -c1-1200
-  mv "$OUT/serve_cuda.json" "$OUT/serve_intake.json" 2>/dev/null
-  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline \
-    --serve-args "--stream-interval 4" --baseline-args "--stream-interval 1" > "$OUT/serve_interval.log" 2>&1
-  echo "== serve_interval rc=$?"
-  grep -E "serve-bench|throughput" "$OUT/serve_interval.log" | cut -c1-1200
+if [ "$what" = serve_http ] || [ "$what" = bench_http ]; then  # py-spy of the server's processes at 256 streams
+  OUT="$OUT" timeout "$(( $(left) - 10 ))" bash bench/gpu_serve.sh serve --no-offline --py-spy /tmp/site/bin/py-spy \
+    > "$OUT/serve_spy.log" 2>&1
+  echo "== serve_spy rc=$?"
+  grep -E -A80 "serve-bench|py-spy of" "$OUT/serve_spy.log" | grep -v "^\s*$" | cut -c1-1200 | head -150
 fi
 if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
   timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \

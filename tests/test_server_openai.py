@@ -255,7 +255,6 @@ def test_status_splits_the_time_to_first_token(oai, admin):
     assert ctl["requests"] == 1 and eng["first_tokens"] == 1
     assert 0 <= ctl["admit_s"] <= ctl["ttft_s"]
     assert eng["queue_s"] + eng["device_s"] + eng["report_s"] <= ctl["ttft_s"]
-    assert after["intake"]["requests"] - before["intake"]["requests"] == 1
     assert after["process_cpu_s"] > before["process_cpu_s"] and after["loop_lag"]["samples"] >= before["loop_lag"]["samples"]
 
 

@@ -15,7 +15,7 @@ from ..engine.llm_engine import LLMEngine
 from ..lifecycle import EngineStateError
 from ..log import get_logger
 from ..outputs import RequestOutput
-from ..sampling_params import InvalidRequest, SamplingParams
+from ..sampling_params import SamplingParams
 
 log = get_logger("engine")
 # How long a step's hand-over waits for a reader (add, poll) to let go of _cv: their critical
@@ -56,24 +56,10 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
             params: SamplingParams) -> None:
-        refused = self.add_many([(request_id, prompt, prompt_token_ids, params)])[0]
-        if refused is not None:
-            raise refused
-
-    def add_many(self, items: list[tuple]) -> list[InvalidRequest | None]:
-        """add() of each (request_id, prompt, prompt_token_ids, params) under one hold of the lock:
-        each one's refusal or None. A paused or asleep engine refuses them all (raises)."""
-        refused: list[InvalidRequest | None] = []
         with self._cv:
             self._check_accepting()
-            for request_id, prompt, prompt_token_ids, params in items:
-                try:
-                    self.engine.add_request(request_id, prompt, prompt_token_ids, params)
-                    refused.append(None)
-                except InvalidRequest as e:
-                    refused.append(e)
+            self.engine.add_request(request_id, prompt, prompt_token_ids, params)
             self._cv.notify_all()
-        return refused
 
     def abort(self, request_ids: list[str]) -> None:
         # Outside _cv: an abort waits for a running step (the engine's lock), and holding _cv

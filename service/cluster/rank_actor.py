@@ -55,9 +55,6 @@ class RankActor(RankWorker):
     def add_request(self, request_id, prompt, prompt_token_ids, params) -> None:
         self.loop.add(request_id, prompt, prompt_token_ids, params)
 
-    def add_requests(self, items) -> list:
-        return self.loop.add_many(items)
-
     def abort(self, request_ids) -> None:
         self.loop.abort(request_ids)
 

@@ -27,7 +27,6 @@ from ..log import get_logger
 from ..outputs import RequestOutput
 from ..sampling_params import InvalidRequest, SamplingParams
 from ..weights.transports import INBOX_NAMESPACE
-from .intake import Intake
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -40,15 +39,6 @@ PARK_S = 3600.0
 # actor counts at once.
 MISSED_PINGS_UNHEALTHY = 3
 LOOP_LAG_PERIOD_S = 0.05
-
-
-def engine_refusal(e: BaseException) -> APIError:
-    """The HTTP error of rank 0's engine refusing a request."""
-    if isinstance(e, InvalidRequest):
-        return APIError(400, str(getattr(e, "cause", None) or e), code="invalid_request")
-    if isinstance(e, EngineStateError):  # a sleep or pause began after check_generation passed
-        return APIError(503, str(getattr(e, "cause", None) or e), code="model_state", retry=True)
-    return APIError(500, f"rank 0 refused the request: {type(e).__name__}: {e}")
 
 
 @dataclass
@@ -117,7 +107,6 @@ class Controller:
         self._lag_watch: asyncio.Task | None = None
         self._watcher: threading.Thread | None = None
         self._missed = 0
-        self.intake = Intake(self.rank0, engine_refusal)
 
     # ---- lifecycle -----------------------------------------------------------------
     def load(self) -> None:
@@ -226,8 +215,10 @@ class Controller:
                 raise APIError(504, f"rank 0 did not answer {method} within {timeout or self.deadline_s:g}s") from e
             if executor.is_dead(e):
                 raise APIError(503, f"rank 0 is gone: {executor.error_text(e)}; POST /restart") from e
-            if isinstance(e, (InvalidRequest, EngineStateError)):
-                raise engine_refusal(e) from e
+            if isinstance(e, InvalidRequest):
+                raise APIError(400, str(getattr(e, "cause", None) or e), code="invalid_request") from e
+            if isinstance(e, EngineStateError):  # a sleep or pause began after check_generation passed
+                raise APIError(503, str(getattr(e, "cause", None) or e), code="model_state", retry=True) from e
             raise APIError(500, f"rank 0 failed {method}: {executor.error_text(e)}") from e
 
     def check_generation(self) -> None:
@@ -248,7 +239,8 @@ class Controller:
         for rid in route.request_ids:
             self._routes[rid] = route
         try:
-            await self.intake.add([(rid, text, ids, params) for rid, (text, ids) in zip(route.request_ids, prompts)])
+            for rid, (text, ids) in zip(route.request_ids, prompts):
+                await self.rank0("add_request", rid, text, ids, params)
         except BaseException:
             self.release(route)
             raise
@@ -415,7 +407,7 @@ class Controller:
         out = {"model": self.model_name, **self.coordinator.snapshot(), "health": self.health_report()[1],
                "tp": n, "same_node": executor.same_node, "nodes": list(executor.nodes), "backend": self.backend,
                "restart_restores": self.restore.describe(), "engine": engine, "ranks": ranks,
-               "first_token": {k: round(v, 6) for k, v in self.first_token.items()}, "intake": dict(self.intake.stats),
+               "first_token": {k: round(v, 6) for k, v in self.first_token.items()},
                "loop_lag": dict(self.loop_lag), "process_cpu_s": time.process_time()}
         if self.backend == "ray":
             import ray
