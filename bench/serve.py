@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench import server_profile  # noqa: E402
 from service.client import AsyncClient, Client  # noqa: E402
 from service.server.launch import start_healthy  # noqa: E402
 
@@ -383,6 +384,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json")
     p.add_argument("--server-log", help="the server's log file (default: a temporary file)")
     p.add_argument("--serve-args", help="extra `serve` options of the (first) server, e.g. '--async-output on'")
+    p.add_argument("--py-spy", metavar="PATH", help="py-spy binary: sample the server's processes during the "
+                   "largest level into <json's folder>/pyspy_<clients>.txt and print where their time went")
     p.add_argument("--baseline-args", help="then the same levels on a second server with these extra `serve` "
                    "options (e.g. '--async-output off'), and the ratio of the two")
     args = p.parse_args(argv)
@@ -431,8 +434,13 @@ def run_levels(args, argv_serve: list[str] | None, levels, prompts, env: dict | 
         log(f"warm-up: {warm['requests']} requests, {warm['errors']} errors")
         for clients, requests in levels:
             before = engine_stats(url, key)
+            spy_path = os.path.join(os.path.dirname(os.path.abspath(args.json or "serve.json")), f"pyspy_{clients}{'_baseline' if env is not None else ''}.txt")
+            spy = (server_profile.Recording(args.py_spy, server.proc.pid, spy_path)
+                   if args.py_spy and server is not None and clients == max(args.clients) else None)
             load = load_phase(url, clients, prompts[:requests], args.max_tokens, args.duration, args.client_procs)
             after = engine_stats(url, key)
+            if spy is not None:
+                log(f"py-spy of the server at {clients} clients ({spy_path}):\n{spy.stop()}")
             if before and after:
                 load["engine_steps"] = step_phases(before, after)
             log(f"{clients} clients: {load['tokens_per_s']:.1f} output tokens/s, {load['requests']} requests, "
