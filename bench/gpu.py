@@ -565,14 +565,6 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # 2-16 rows' tensor-core tiles in 512-wide K steps (gemv.dot_max_k): twice the weight
              # bytes in flight an SM; predicted 0.98-0.99x at batch 8, nothing at 1, 64 or 256.
              "gemv_dot_k512": {"LATENTSERVE_GEMV_DOT_MAX_K": "512"},
-             # Candidate: 2-64 rows' GEMVs split over K where gemv_split.plan counts fewer bytes through
-             # the busiest SM (run 74: 26.7 us a layer at 64 rows for 8.6 us of bytes); predicted
-             # 0.97-0.98x at batch 64, ~0.98x at 8, nothing at 1 or 256.
-             "gemv_split_k": {"LATENTSERVE_GEMV_SPLIT_K": "1"},
-             # Candidate: the MoE entry kernel above 64 rows in wider output blocks (run 74: 20.9 us a
-             # layer at 256 rows for 3.5 us of weights, x re-read from L2 by 16-output programs);
-             # predicted ~0.98x at batch 256, nothing at 1-64.
-             "entry_tall": {"LATENTSERVE_MOE_ENTRY_TALL": "1"},
              # 16-row tensor-core tiles for wide outputs too (gemv.dot_config before run 41).
              "gemv_narrow_tiles": {"LATENTSERVE_GEMV_WIDE_TILES": "0"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).

@@ -60,10 +60,8 @@ group() {  # name, seconds, pytest args...
 }
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
 if { [ "$what" = bench ] || [ "$what" = bench_http ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
-  # the candidates timed below, on this GPU first
-  [ "$what" = bench ] && group candidates 90 tests/gpu/test_gemv_split.py tests/gpu/test_moe_entry.py -k "split or tall"
   s=$(date +%s)
-  baselines=same_build,gemv_split_k,entry_tall,entry_wide_n,no_pdl
+  baselines=same_build,entry_wide_n,no_pdl
   [ "$what" = quick ] && baselines=same_build,small_batch,mla_16_warps,align_kernel
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
     --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8,64,256 --baselines "$baselines" \
@@ -171,7 +169,7 @@ if [ "$what" = tests_kernels ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests_kda ] || [ "$what" = all ]; then
   group kda 300 tests/gpu/test_kda_decode_step.py tests/gpu/test_kda_decode_conv.py tests/gpu/test_gemv_multi.py \
-    tests/gpu/test_kda_cuda.py tests/gpu/test_attn_res_kernel.py tests/gpu/test_gemv_split.py
+    tests/gpu/test_kda_cuda.py tests/gpu/test_attn_res_kernel.py
   group fp8 150 tests/gpu/test_fp8.py
   group comm 60 tests/gpu/test_device_comm.py
 fi

@@ -17,17 +17,7 @@ from triton.backends import Backend, backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from service.model import (  # noqa: E402
-    fp8,
-    fp8_grouped,
-    fp8_moe,
-    gemv,
-    gemv_split,
-    mla_absorb,
-    mla_decode,
-    moe_entry,
-    moe_grouped,
-)
+from service.model import fp8, fp8_grouped, fp8_moe, gemv, mla_absorb, mla_decode, moe_entry, moe_grouped  # noqa: E402
 
 H200_SHARED = 232448  # bytes per block, opt-in maximum of sm_90
 POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16", "w_ptr": "fp8e4nv",
@@ -168,23 +158,7 @@ LAUNCHES += [(f"moe entry rows {_name}", lambda c=_c, t=_t, ieee=_ieee: (
                                        FP8=False, BN=16, BK=16, SUB=16), 4, c[2], t))
     for _name, _c, _t, _ieee in (("bf16 default", (16, 256, 3), ENTRY, False), ("bf16 wide n", (32, 256, 4), ENTRY, False),
                                  ("fp32 16x512", (16, 512, 2), ENTRY32, True), ("fp32 32x256", (32, 256, 2), ENTRY32, True))]
-# LATENTSERVE_MOE_ENTRY_TALL's 64-row tiles of 32 and 64 outputs (128-wide K steps, 3 stages).
-LAUNCHES += [(f"moe entry rows tall 64x{_bn}", lambda bn=_bn: (
-    moe_entry._entry_rows_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, IEEE=False,
-                                       FP8=False, BN=16, BK=16, SUB=16), 8 if bn == 64 else 4, 3, ENTRY))
-    for _bn in (32, 64)]
 
-# The GEMV's split-K candidate (gemv_split.plan at 2-64 rows of `small`'s projections): 16-row
-# and 64-row tiles up to 64 outputs (BLOCK_K 256 and 128), paired or not, at 4 stages.
-SPLIT = {**GEMV, "part_ptr": "fp32", "cnt_ptr": "i32"}
-LAUNCHES += [(f"bf16 gemv split {_bm}x{_bn} k{_bk} pair={_pair}", lambda bm=_bm, bn=_bn, bk=_bk, p=_pair: (
-    gemv_split._split_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=4, PAIR=p, IEEE=False),
-    8 if bm * bn > 4096 else 4, 4, SPLIT)) for _bm, _bn, _bk in ((16, 32, 256), (16, 64, 256), (64, 32, 128),
-                                                                 (64, 64, 128), (64, 128, 64)) for _pair in (False, True)]
-SPLIT32 = {**SPLIT, "x_ptr": "fp32", "y_ptr": "fp32", "w_ptr": "fp32", "x2_ptr": "fp32", "w2_ptr": "fp32"}
-LAUNCHES += [(f"fp32 gemv split 64x{_bn} k{_bk}", lambda bn=_bn, bk=_bk: (
-    gemv_split._split_kernel, dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT=4, PAIR=True, IEEE=True),
-    8 if 64 * bn > 4096 else 4, 4, SPLIT32)) for _bn, _bk in ((64, 64), (128, 32))]
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])
 def test_fp8_kernel_fits_h200_shared_memory(name, launch):

@@ -1,6 +1,6 @@
 """Zeroed int32 arrival counters for kernels whose programs split a tile's work: each program
 counts itself in, and the last to arrive finishes the tile and zeroes its counter. So one buffer
-a device serves every launch after it, CUDA graph replays included (kda_step, gemv_split)."""
+a device serves every launch after it, CUDA graph replays included (kda_step)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ leave most of the H200's bandwidth unused: the profile in bench/RESULTS.md shows
 projections at ~0.9 TB/s, 40% of a batch-1 step. Here each program owns a few output rows
 (BLOCK_N, chosen so the grid covers every SM twice) and streams them over K with fp32
 accumulation; the M rows of x are re-read from L1/L2, never from HBM twice. One row multiplies
-in registers; from two rows the rows are padded to a tensor-core tile (`dot_config`). No split-K
-(but the `gemv_split` candidate), so no atomics and no second kernel: results are deterministic,
-and equal between a CUDA graph replay and an eager call.
+in registers; from two rows the rows are padded to a tensor-core tile (`dot_config`). No split-K, so
+no atomics and no second kernel: results are deterministic, and equal between a CUDA graph
+replay and an eager call. Tried and removed (run 78, H100): split-K at 2-64 rows where the busiest
+SM's bytes were fewer: steps 0.98-1.01x.
 
 A `torch.library` custom op, so compiled decoder layers keep it opaque and graphs capture it.
 `supported` decides; `layers.linear` calls it.
@@ -27,7 +28,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 from ..weights.fp8 import block_of, kernel_operands
-from . import act_kernels, gemv_split, pdl
+from . import act_kernels, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
@@ -355,9 +356,6 @@ if triton is not None:
         if scale2 is not None:
             bn2, bk2 = block_of(wb, scale2)
             fp8 = {"FP8_2": True, "BN2": bn2, "BK2": bk2, "SUB2": min(bk2, cfg["BLOCK_K"])}
-        if (cfg["DOT"] and norm is None and not slots and scale2 is None and gemv_split.enabled()
-                and gemv_split.launch(x2, weight, y, pair, sm_count(x2.device), block_m)):
-            return
         s2 = scale2 if scale2 is not None else x2  # unread without FP8_2
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),

@@ -216,7 +216,7 @@ if triton is not None:
                                    True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
 
-    def _rows_launch(bm: int, k: int, weight_bytes: int, m: int = 0, n: int = 0, sms: int = 132) -> dict:
+    def _rows_launch(bm: int, k: int, weight_bytes: int) -> dict:
         """The multi-row launch for row tiles of bm. LATENTSERVE_MOE_ENTRY_WIDE_N=1 (a candidate): at
         16-row tiles (2-16 rows) of 16-bit weights, 32 outputs a program at 4 stages (run 62, H100,
         8 rows: 7.31 us against the default's 7.98 in the same sweep; gate + up + x 40 KB a stage).
@@ -227,13 +227,7 @@ if triton is not None:
                   "BLOCK_K": max(16, min(256 if bm == 16 else 128, triton.next_power_of_2(k)))}
         if bm == 16 and weight_bytes == 2 and os.environ.get("LATENTSERVE_MOE_ENTRY_WIDE_N", "0") == "1":
             launch.update(BLOCK_N=32, num_stages=4)
-        if bm == 64 and m > 64 and weight_bytes == 2 and os.environ.get("LATENTSERVE_MOE_ENTRY_TALL", "0") == "1":
-            # LATENTSERVE_MOE_ENTRY_TALL=1 (a candidate): above 64 rows each program re-reads its 64
-            # rows of x (256 KB at hidden 2048) from L2 for 16 outputs; run 74 (H100) had the
-            # kernel at 20.9 us a layer at 256 rows for 3.5 us of weights. The GEMV's tall blocks:
-            # the widest of 64, 32, 16 outputs that still gives ~3/4 of the SMs a program.
-            bn = gemv.tall_block_n(m, n, bm, sms)
-            launch.update(BLOCK_N=bn, num_warps=8 if bn == 64 else 4)
+        # Tried and removed (run 78, H100): above 64 rows, 32-64-output blocks: batch 256 0.99x.
         return launch
 
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None,
@@ -252,8 +246,7 @@ if triton is not None:
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if m > 1:
             bm = gemv.rows_tile(m, True)
-            launch = {**_rows_launch(bm, k, down.element_size(), m, latent_dim + inter + experts,
-                                     gemv.sm_count(x.device)), **(cfg or {})}
+            launch = {**_rows_launch(bm, k, down.element_size()), **(cfg or {})}
             bn, bk = launch["BLOCK_N"], launch["BLOCK_K"]
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
             _entry_rows_kernel[(triton.cdiv(m, bm), grid)](

@@ -100,28 +100,6 @@ def test_wide_n_switch_picks_its_launch(monkeypatch):
     assert moe_entry._rows_launch(64, 2048, 2)["BLOCK_N"] == 16
 
 
-def test_tall_switch_widens_the_blocks_above_64_rows(monkeypatch):
-    """LATENTSERVE_MOE_ENTRY_TALL=1: above 64 rows (several 64-row blocks) of 16-bit weights, the
-    widest output block that still gives ~3/4 of the SMs a program; 64 rows and below unchanged.
-    Outputs equal the default launch's (fp32 here: the switch's shapes forced through cfg)."""
-    args = (64, 2048, 2)
-    assert moe_entry._rows_launch(*args, 256, 2624, 132)["BLOCK_N"] == 16
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_TALL", "1")
-    assert moe_entry._rows_launch(*args, 256, 2624, 132) == {**moe_entry._rows_launch(*args), "BLOCK_N": 64,
-                                                                 "num_warps": 8}
-    assert moe_entry._rows_launch(*args, 128, 2624, 132)["BLOCK_N"] == 32
-    assert moe_entry._rows_launch(*args, 64, 2624, 132)["BLOCK_N"] == 16
-    assert moe_entry._rows_launch(64, 2048, 4, 256, 2624, 132)["BLOCK_N"] == 16  # fp32: its stages are 2x
-    g = torch.Generator().manual_seed(4)
-    x, down, shared, router = (torch.randn(n, 256, generator=g).to(DEVICE) / 16 for n in (130, 96, 80, 20))
-    want = moe_entry._entry(x, down, shared, router, "silu", 1.0, None)
-    for bn, warps in ((64, 8), (32, 4)):
-        got = moe_entry._entry(x, down, shared, router, "silu", 1.0, None,
-                               cfg={"BLOCK_N": bn, "num_warps": warps, "num_stages": 2})
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 def test_entry_rows_in_a_latent_moe_layer(monkeypatch):
     """Five tokens through a latent MoE layer: the multi-row entry kernel's output equals the
     separate ops' (router, latent down, shared gate/up: LATENTSERVE_MOE_ENTRY_MAX_ROWS=1)."""
