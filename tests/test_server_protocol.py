@@ -93,6 +93,33 @@ def test_request_racing_a_sleep_is_refused_with_the_state_not_a_500():
     assert "paused" in e.value.message
 
 
+def test_a_request_past_its_deadline_gets_a_504_after_what_had_arrived():
+    """One timer a route puts the 504 into its queue at the deadline: outputs queued before it are
+    read first, and a released route's timer is cancelled (nothing is put into a forgotten queue)."""
+    from service.server.controller import Route
+
+    ctl = Controller(EngineConfig(model="tiny").resolve(), model_name="tiny", request_timeout_s=0.05)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        route = Route(asyncio.Queue(), loop)
+        deadline = loop.time() + 0.05
+        route.queue.put_nowait("first")
+        assert await ctl.next_output(route, deadline) == "first"
+        with pytest.raises(APIError) as e:
+            await asyncio.wait_for(ctl.next_output(route, deadline), 5.0)
+        assert e.value.status == 504 and "0.05s" in e.value.message
+        other = Route(asyncio.Queue(), loop)
+        waiting = asyncio.create_task(ctl.next_output(other, loop.time() + 0.05))
+        await asyncio.sleep(0)
+        ctl.release(other)
+        waiting.cancel()
+        await asyncio.sleep(0.1)
+        assert other.deadline.cancelled() and other.queue.empty()
+
+    asyncio.run(main())
+
+
 # The body `vllm bench serve --backend openai` sends to /v1/completions
 # (vllm/benchmarks/lib/endpoint_request_func.py, async_request_openai_completions, vLLM 0.32)
 # with --temperature 0 and the random dataset's ignore_eos.
