@@ -23,12 +23,13 @@
 # waited ~100 ms more for a first token than the server's clock says, with its HTTP process at
 # 0.75-0.8 of a core); `bench_http`: `bench`, then `serve_http`. Serving prints each load's
 # first-token split (`first_token_ms`: admit, queue, device, report, rest), the HTTP process's
-# cores (`api_cpu`) and loop lag.
+# cores (`api_cpu`) and loop lag. `serve_ab SECONDS DIR`: 256 streams on this export's server
+# and on the export in DIR (e.g. ../base), alternating, twice each: a change to the HTTP process.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache] [seconds]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +89,17 @@ if [ "$what" = serve_http ] || [ "$what" = bench_http ]; then  # py-spy of the s
     > "$OUT/serve_spy.log" 2>&1
   echo "== serve_spy rc=$?"
   grep -E -A80 "serve-bench|py-spy of" "$OUT/serve_spy.log" | grep -v "^\s*$" | cut -c1-1200 | head -150
+fi
+if [ "$what" = serve_ab ]; then  # this tree's server against another export's ($3), alternating, 256 streams
+  base=${3:?serve_ab needs the other export's folder}
+  for i in 1 2; do
+    for side in base this; do
+      tree=.; [ "$side" = base ] && tree=$base
+      OUT="$OUT/${side}$i" timeout "$(( $(left) > 150 ? 150 : $(left) ))" bash "$tree/bench/gpu_serve.sh" serve --no-offline \
+        --clients 256 --requests 2048 > "$OUT/serve_${side}$i.log" 2>&1
+      echo "== serve $side $i rc=$?"; grep -E "256 clients" "$OUT/serve_${side}$i.log" | cut -c1-1500
+    done
+  done
 fi
 if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
   timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \
