@@ -91,7 +91,7 @@ if [ "$what" = serve_http ] || [ "$what" = bench_http ]; then  # py-spy of the s
   grep -E -A80 "serve-bench|py-spy of" "$OUT/serve_spy.log" | grep -v "^\s*$" | cut -c1-1200 | head -150
 fi
 if [ "$what" = serve_ab ]; then  # this tree's server against another export's ($3), alternating, 256 streams
-  base=${3:?serve_ab needs the other export's folder}
+  base=${3:?serve_ab needs the folder of the other export}
   for i in 1 2; do
     for side in base this; do
       tree=.; [ "$side" = base ] && tree=$base
