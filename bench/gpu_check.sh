@@ -25,12 +25,12 @@
 # first-token split (`first_token_ms`: admit, queue, device, report, rest), the HTTP process's
 # cores (`api_cpu`) and loop lag. `serve_ab SECONDS DIR`: 256 streams on this export's server
 # and on the export in DIR (e.g. ../base), alternating, twice each: a change to the HTTP process.
-# `serve_std`: the same with uvloop and httptools (wheels in .gpu/std/) against asyncio and h11.
+# `goal`: the decode goal table alone (a short budget). `serve_std`: the same with uvloop and httptools (wheels in .gpu/std/) against asyncio and h11.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|goal] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,6 +101,11 @@ if [ "$what" = serve_ab ]; then  # this tree's server against another export's (
       echo "== serve $side $i rc=$?"; grep -E "256 clients" "$OUT/serve_${side}$i.log" | cut -c1-1500
     done
   done
+fi
+if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
+  timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
+    --batches 1,8,64,256 --profile-batches "" --baselines same_build --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "== goal rc=$?"; grep -E "copy bandwidth|decode batch|baseline|FLOOR INVALID" "$OUT/bench.log" | cut -c1-330
 fi
 if [ "$what" = serve_std ]; then  # uvicorn's standard extras (uvloop, httptools: wheels in .gpu/std) against asyncio and h11
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_std ../std/*.whl > /dev/null 2>&1
