@@ -85,4 +85,6 @@ def _process_label(frame: str) -> str:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python3 bench/server_profile.py PYSPY_RAW_FILE")
     print(summarize(sys.argv[1]))
