@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,11 +60,14 @@ def summarize(path: str, top: int = 10) -> str:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not stack or not count.isdigit():
                 continue
-            frames = stack.split(";")
-            i = max((k for k, fr in enumerate(frames) if fr.startswith("process ")), default=-1)
-            proc = _process_label(frames[i]) if i >= 0 else "?"
-            thread = frames[i + 1] if i + 1 < len(frames) and frames[i + 1].startswith("thread") else "thread ?"
-            leaves[(proc, thread[:48])][frames[-1][:110]] += int(count)
+            # Command lines may hold ';' and '"' (a spawned worker's `-c "...; spawn_main(...)"`), so
+            # the thread frame is found first and the innermost process before it.
+            thread = THREAD.search(stack)
+            cut = thread.start() if thread else len(stack)
+            procs = list(PROCESS.finditer(stack, 0, cut))
+            proc = _process_label(procs[-1].group(1), stack[procs[-1].end():cut]) if procs else "?"
+            label = thread.group(1)[:48] if thread else "thread ?"
+            leaves[(proc, label)][stack.rsplit(";", 1)[-1][:110]] += int(count)
     lines, most = [], max((sum(c.values()) for c in leaves.values()), default=0)
     for (proc, thread), counts in sorted(leaves.items(), key=lambda kv: -sum(kv[1].values())):
         total = sum(counts.values())
@@ -74,10 +78,15 @@ def summarize(path: str, top: int = 10) -> str:
     return "\n".join(lines) or "no samples"
 
 
-def _process_label(frame: str) -> str:
-    pid, _, cmd = frame[len("process "):].partition(":")
+PROCESS = re.compile(r"(?:^|;)process (\d+):")
+THREAD = re.compile(r";(thread \(\d+\): [^;]*)")
+
+
+def _process_label(pid: str, cmd: str) -> str:
     words = cmd.strip('"').split()
-    if "-m" in words:
+    if "spawn_main" in cmd:
+        name = "spawned worker"
+    elif "-m" in words:
         name = " ".join(words[words.index("-m") + 1:words.index("-m") + 3])
     else:
         name = os.path.basename(words[1]) if len(words) > 1 else cmd[:40]
