@@ -25,7 +25,8 @@
 # first-token split (`first_token_ms`: admit, queue, device, report, rest), the HTTP process's
 # cores (`api_cpu`) and loop lag. `serve_ab SECONDS DIR`: 256 streams on this export's server
 # and on the export in DIR (e.g. ../base), alternating, twice each: a change to the HTTP process.
-# `goal`: the decode goal table alone (a short budget). `serve_std`: the same with uvloop and httptools (wheels in .gpu/std/) against asyncio and h11.
+# `goal`: the decode goal table alone (a short budget). `serve_std`: the same with uvloop and
+# httptools (wheels in .whl/std/) against asyncio and h11.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
@@ -107,8 +108,8 @@ if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64
     --batches 1,8,64,256 --profile-batches "" --baselines same_build --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== goal rc=$?"; grep -E "copy bandwidth|decode batch|baseline|FLOOR INVALID" "$OUT/bench.log" | cut -c1-330
 fi
-if [ "$what" = serve_std ]; then  # uvicorn's standard extras (uvloop, httptools: wheels in .gpu/std) against asyncio and h11
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_std ../std/*.whl > /dev/null 2>&1
+if [ "$what" = serve_std ]; then  # uvicorn's standard extras (uvloop, httptools: gpu_wheels.sh puts them in .whl/std) against asyncio and h11
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_std ../../.whl/std/*.whl > /dev/null 2>&1
   PYTHONPATH=/tmp/site_std:$PYTHONPATH python3 -c "import uvloop, httptools; print('== std:', uvloop.__version__, httptools.__version__)"
   for i in 1 2; do
     for side in stdlib std; do

@@ -13,4 +13,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   annotated-types==0.8.0 annotated-doc==0.0.7 typing-extensions==4.16.0 typing-inspection==0.4.5 anyio==4.16.0 \
   sniffio==1.3.1 h11==0.16.0 httpx==0.29.0 httpcore==1.0.9 idna==3.20 opentelemetry-api==1.45.2 \
   py-spy==0.4.3  # bench/serve.py --py-spy: where the server processes' time goes
+# uvicorn's standard extras, only for gpu_check.sh serve_std (a subfolder: every run installs .whl/*.whl)
+mkdir -p .whl/std
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/std \
+  uvloop==0.23.0 httptools==0.9.0
 du -sh .whl
