@@ -100,7 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     controller = Controller(config, model_name=args.served_model_name or args.model,
                             enable_test_hooks=args.enable_test_hooks, deadline_s=args.rank_deadline_s,
                             request_timeout_s=args.request_timeout_s, weight_snapshot=args.weight_snapshot, backend=backend,
-                            stream_interval=getattr(args, "stream_interval", 1))
+                            stream_interval=args.stream_interval)
     if not args.admin_key:
         log.warning("admin_api_off", reason="no --admin-key or LATENTSERVE_ADMIN_KEY: /sleep, /wake_up and "
                                             "the other admin routes answer 403")

@@ -154,7 +154,7 @@ class _View:
         self.ctl, self.endpoint, self.rid, self.top_n = ctl, endpoint, rid, top_n
         # A stream's chunk waits for this many new tokens (but its first and its last): at 256
         # streams one write a token a stream was a third of the HTTP process's time (py-spy, CPU).
-        self.interval = getattr(ctl, "stream_interval", 1)
+        self.interval = ctl.stream_interval
         self.created = int(time.time())
         self.sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, choice) -> (tokens, chars)
 
