@@ -23,7 +23,7 @@ what serving over HTTP costs. Then `--cycles` level-1 and level-2 sleep/wake cyc
 controller's overhead is the HTTP round trip minus the slowest rank's own reported seconds.
 --baseline-args '--async-output off': the same levels again on a second server started with
 those extra options, in the same run, and the ratio of output tokens/s; NAME=VALUE words are that
-server's environment (e.g. 'LATENTSERVE_INTAKE_BATCH=0').
+server's environment (e.g. 'LATENTSERVE_PDL=0').
 The last line is `SUMMARY {json}`.
 """
 
