@@ -30,7 +30,8 @@ class Recording:
         cmd = [py_spy, "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking",
                "--rate", str(rate), "--format", "raw", "--output", path]
         try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(path + ".err", "w"))
+            with open(path + ".err", "w") as err:  # the child keeps its own copy of the descriptor
+                self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
         except OSError as e:
             print(f"py-spy did not start ({e}): no server profile", file=sys.stderr)
             self.proc = None
