@@ -92,16 +92,14 @@ if [ "$what" = serve_http ] || [ "$what" = bench_http ]; then  # py-spy of the s
   echo "== serve_spy rc=$?"
   grep -E -A80 "serve-bench|py-spy of" "$OUT/serve_spy.log" | grep -v "^\s*$" | cut -c1-1200 | head -150
 fi
+serve256() {  # label, export folder, PYTHONPATH prefix: one server's 256-stream load (serve_ab, serve_std)
+  PYTHONPATH=$3$PYTHONPATH OUT="$OUT/$1" timeout "$(( $(left) > 150 ? 150 : $(left) ))" bash "$2/bench/gpu_serve.sh" \
+    serve --no-offline --clients 256 --requests 2048 > "$OUT/serve_$1.log" 2>&1
+  echo "== serve $1 rc=$?"; grep -E "256 clients" "$OUT/serve_$1.log" | cut -c1-1500
+}
 if [ "$what" = serve_ab ]; then  # this tree's server against another export's ($3), alternating, 256 streams
   base=${3:?serve_ab needs the folder of the other export}
-  for i in 1 2; do
-    for side in base this; do
-      tree=.; [ "$side" = base ] && tree=$base
-      OUT="$OUT/${side}$i" timeout "$(( $(left) > 150 ? 150 : $(left) ))" bash "$tree/bench/gpu_serve.sh" serve --no-offline \
-        --clients 256 --requests 2048 > "$OUT/serve_${side}$i.log" 2>&1
-      echo "== serve $side $i rc=$?"; grep -E "256 clients" "$OUT/serve_${side}$i.log" | cut -c1-1500
-    done
-  done
+  for i in 1 2; do serve256 "base$i" "$base" ""; serve256 "this$i" . ""; done
 fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
@@ -111,14 +109,7 @@ fi
 if [ "$what" = serve_std ]; then  # uvicorn's standard extras (uvloop, httptools: gpu_wheels.sh puts them in .whl/std) against asyncio and h11
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_std ../../.whl/std/*.whl > /dev/null 2>&1
   PYTHONPATH=/tmp/site_std:$PYTHONPATH python3 -c "import uvloop, httptools; print('== std:', uvloop.__version__, httptools.__version__)"
-  for i in 1 2; do
-    for side in stdlib std; do
-      extra=; [ "$side" = std ] && extra=/tmp/site_std:
-      PYTHONPATH=$extra$PYTHONPATH OUT="$OUT/${side}$i" timeout "$(( $(left) > 150 ? 150 : $(left) ))" bash bench/gpu_serve.sh \
-        serve --no-offline --clients 256 --requests 2048 > "$OUT/serve_${side}$i.log" 2>&1
-      echo "== serve $side $i rc=$?"; grep -E "256 clients" "$OUT/serve_${side}$i.log" | cut -c1-1500
-    done
-  done
+  for i in 1 2; do serve256 "stdlib$i" . ""; serve256 "std$i" . /tmp/site_std:; done
 fi
 if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
   timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \
