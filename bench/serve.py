@@ -39,6 +39,7 @@ import re
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from urllib.parse import urlparse
 
@@ -385,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-log", help="the server's log file (default: a temporary file)")
     p.add_argument("--serve-args", help="extra `serve` options of the (first) server, e.g. '--async-output on'")
     p.add_argument("--py-spy", metavar="PATH", help="py-spy binary: sample the server's processes during the "
-                   "largest level into <json's folder>/pyspy_<clients>.txt and print where their time went")
+                   "largest level into <json's folder, or the temp folder>/pyspy_<clients>.txt and print where their time went")
     p.add_argument("--baseline-args", help="then the same levels on a second server with these extra `serve` "
                    "options (e.g. '--async-output off'), and the ratio of the two")
     args = p.parse_args(argv)
@@ -434,7 +435,9 @@ def run_levels(args, argv_serve: list[str] | None, levels, prompts, env: dict | 
         log(f"warm-up: {warm['requests']} requests, {warm['errors']} errors")
         for clients, requests in levels:
             before = engine_stats(url, key)
-            spy_path = os.path.join(os.path.dirname(os.path.abspath(args.json or "serve.json")), f"pyspy_{clients}{'_baseline' if env is not None else ''}.txt")
+            # Next to the JSON, or in the temp folder: never the working tree by default.
+            spy_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.gettempdir()
+            spy_path = os.path.join(spy_dir, f"pyspy_{clients}{'_baseline' if env is not None else ''}.txt")
             spy = (server_profile.Recording(args.py_spy, server.proc.pid, spy_path)
                    if args.py_spy and server is not None and clients == max(args.clients) else None)
             load = load_phase(url, clients, prompts[:requests], args.max_tokens, args.duration, args.client_procs)
