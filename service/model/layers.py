@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
-from . import fp8, gemv
+from . import dense_mm, fp8, gemv
 from .fusion import fused
 
 
@@ -91,6 +91,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         out = gemv.run(torch.ops.latentserve.gemv, x, weight)
         if out is not None:
             return out
+    if dense_mm.enabled(x):  # cuBLAS where Inductor cannot fold a residual add into addmm's copy
+        return torch.ops.latentserve.mm_t(x, weight)
     return F.linear(x, weight)
 
 

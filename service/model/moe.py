@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner, latent_norm
-from . import cpu_kernels, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels
+from . import cpu_kernels, dense_mm, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, act_params, frozen
 
@@ -274,14 +274,19 @@ class MoE(nn.Module):
     def _one_rank_tail(self, routed: torch.Tensor, h: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor | None:
         """TP 1, up to gemv.max_rows() tokens: the latent's up-projection and the shared experts'
         down-projection land in the same rows, so one GEMV launch sums both (tail.unfused_tail's
-        math, with the sum rounded once); None where it does not apply. norm: the latent norm's
+        math, with the sum rounded once); above, with LATENTSERVE_OPAQUE_MM, two cuBLAS launches
+        (dense_mm.mm_t_sum); None where neither applies. norm: the latent norm's
         weight, None where there is none or `routed` is normed already."""
         down = self.shared_experts.down_proj
         if self.tp.world_size != 1:
             return None
         up, scale = self.routed_expert_up_proj.weight, down.weight_scale_inv  # scale: an FP8 model's
         if not gemv.pair_supported(routed, up, h, down.weight, scale):
-            return None
+            if scale is not None or not dense_mm.enabled(routed):
+                return None
+            latent = latent_norm(routed, norm, self.eps)  # cuBLAS's rows: the second product onto the first
+            same = latent.dtype == up.dtype == h.dtype == down.weight.dtype
+            return torch.ops.latentserve.mm_t_sum(latent, up, h, down.weight) if same else None
         if norm is not None and routed.shape[0] <= gemv.pair_norm_max_rows():  # the norm in the same launch
             return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight, 0,
                             scale)
