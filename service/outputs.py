@@ -59,7 +59,10 @@ class RequestOutput:
             c.token_ids.extend(d.token_ids)
             if d.text is not None:
                 c.text = (c.text or "") + d.text
-            if d.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + d.logprobs
+            if d.logprobs is not None:  # in place: a new list every delta made a 32k-token rollout 1.8 s
+                if c.logprobs is None:
+                    c.logprobs = list(d.logprobs)
+                else:
+                    c.logprobs.extend(d.logprobs)
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
         self.finished, self.weight_version, self.error = delta.finished, delta.weight_version, delta.error
