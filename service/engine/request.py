@@ -37,17 +37,15 @@ def build_output(req: Request, finished: bool, *, deltas: bool, has_text: bool, 
     hold = max(len(s) for s in stops) - 1 if stops and has_text else 0
     completions = []
     for seq in req.seqs:
-        text = None
-        if has_text:
-            text = seq.output_text
-            if hold and not seq.is_finished:
-                text = text[:max(0, len(text) - hold)]
+        end = len(seq.output_text) if has_text else 0
+        if hold and not seq.is_finished:
+            end = max(0, end - hold)
         tokens, chars = seq.reported if delta else (0, 0)
         out_ids = seq.output_token_ids
         if delta:
-            seq.reported = (len(out_ids), len(text) if has_text else 0)
+            seq.reported = (len(out_ids), end)
         completions.append(CompletionOutput(
-            seq.index, None if text is None else text[chars:], out_ids[tokens:],
+            seq.index, seq.output_text.slice(chars, end) if has_text else None, out_ids[tokens:],
             seq.logprobs[tokens:] if seq.logprobs is not None else None,
             seq.status.finish_reason, seq.stop_reason))
     prompt_ids = list(req.prompt_token_ids) if first else []

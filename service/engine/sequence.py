@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..sampling_params import SamplingParams
+from .output_text import OutputText
 
 if TYPE_CHECKING:
     from ..tokenizer import IncrementalDetokenizer
@@ -68,7 +69,7 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)  # grown a token at a time
     arrival_time: float = field(default_factory=time.monotonic)
     stop_reason: str | int | None = None
     num_preemptions: int = 0

@@ -38,26 +38,28 @@ def text_stop(seq: Sequence, token: int, status: SequenceStatus | None) -> Seque
     delta = ""
     if seq.detokenizer is not None:
         delta = seq.detokenizer.add(token)
-        seq.output_text += delta
+        seq.output_text.append(delta)
     if (status is None or status is _LENGTH) and seq.params.stop_list and _stop_string(seq, len(delta)):
         status = _STOPPED
     if status is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
-        seq.output_text += seq.detokenizer.flush()
+        seq.output_text.append(seq.detokenizer.flush())
     return status
 
 
 def _stop_string(seq: Sequence, delta_len: int) -> bool:
     """Find a stop string that the new text completes; cut the text there."""
-    text, params = seq.output_text, seq.params
+    params, n = seq.params, len(seq.output_text)
+    # Only a match overlapping the new text is new; older text was checked before.
+    base = max(0, n - delta_len - max(len(s) for s in params.stop_list) + 1)
+    tail = seq.output_text.slice(base)
     best: tuple[int, str] | None = None
     for stop in params.stop_list:
-        # Only a match overlapping the new text is new; older text was checked before.
-        idx = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
+        idx = tail.find(stop, max(0, n - delta_len - len(stop) + 1 - base))
         if idx >= 0 and (best is None or idx < best[0]):
             best = (idx, stop)
     if best is None:
         return False
     idx, stop = best
-    seq.output_text = text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
+    seq.output_text.truncate(base + idx + (len(stop) if params.include_stop_str_in_output else 0))
     seq.stop_reason = stop
     return True
