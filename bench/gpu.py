@@ -502,9 +502,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The MoE entry kernel's 2-16 rows as 32 outputs a program at 4 stages (run 62's sweep at 8
              # rows: 1.09x standalone, ~0.5% of batch 8's step predicted; moe_entry._rows_launch).
              "entry_wide_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
-             # cuBLAS's products above the GEMV's rows as opaque ops: no addmm, so no copy of the
-             # residual before it (dense_mm.py; run 78 at 256 rows: 2 copies of 1.6 us a MoE layer).
-             "opaque_mm": {"LATENTSERVE_OPAQUE_MM": "1"},
+             # The build before the opaque cuBLAS products (dense_mm.py, the default since run 83):
+             # Inductor's addmm copies the residual first, 2 copies of 1.6 us a MoE layer at 256 rows.
+             "addmm": {"LATENTSERVE_OPAQUE_MM": "0"},
              # Gate/up's programs lay out their own row blocks from the router's ids up to 128 pairs, no
              # align launch (moe_grouped.align_in_max_pairs, the default since run 70): `align_kernel`
              # is the build before it; 512 pairs takes batch 64 too, every program reading 512 ids.

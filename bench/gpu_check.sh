@@ -64,7 +64,7 @@ group() {  # name, seconds, pytest args...
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo export)
 if { [ "$what" = bench ] || [ "$what" = bench_http ] || [ "$what" = all ] || [ "$what" = quick ]; } && [ "$(left)" -gt 120 ]; then
   s=$(date +%s)
-  baselines=same_build,opaque_mm,no_pdl
+  baselines=same_build,addmm,no_pdl
   [ "$what" = quick ] && baselines=same_build,small_batch,mla_16_warps,align_kernel
   timeout "$(( $(left) > 470 ? 470 : $(left) ))" python3 bench/gpu.py --commit "$commit" \
     --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 --batches 1,8,64,256 --profile-batches 1,8,64,256 --baselines "$baselines" \
