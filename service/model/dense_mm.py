@@ -20,7 +20,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-
 # Decode-sized products only: a prefill's products are long enough for a copy not to matter, and
 # an eager prefill would pay the custom op's dispatch at every projection.
 MAX_ROWS = 512
