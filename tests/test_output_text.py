@@ -1,11 +1,11 @@
-"""OutputText (service/engine/output_text.py) reads as the str it replaces: random appends,
+"""OutputText (service/output_text.py) reads as the str it replaces: random appends,
 slices and cuts against a plain string, and its parts stay few (what keeps appends cheap)."""
 
 from __future__ import annotations
 
 import random
 
-from service.engine.output_text import OutputText
+from service.output_text import OutputText
 
 
 def test_matches_a_plain_string():

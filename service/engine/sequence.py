@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..output_text import OutputText
 from ..sampling_params import SamplingParams
-from .output_text import OutputText
 
 if TYPE_CHECKING:
     from ..tokenizer import IncrementalDetokenizer

@@ -1,4 +1,5 @@
-"""A sequence's output text, grown a token at a time and read mostly by its tail.
+"""A stream's output text, grown a token at a time and read mostly by its tail: a sequence's
+on rank 0, and a streamed request's whole output in the HTTP controller (`RequestOutput.extend`).
 
 `str +=` on an attribute copies the whole text every token: at 256 streams of 32k-token outputs
 (~128 kB of text each) that was 2.5 ms of rank 0's engine thread a step on this CPU, for a step
@@ -22,6 +23,13 @@ class OutputText:
 
     def __str__(self) -> str:
         return self.slice(0)
+
+    def __getitem__(self, key: slice) -> str:
+        """text[a:b] for the non-negative, step-less slices a stream's reader takes."""
+        start, stop, step = key.indices(self._len)
+        if step != 1 or (key.start or 0) < 0 or (key.stop or 0) < 0:
+            raise ValueError("OutputText takes forward slices of non-negative bounds only")
+        return self.slice(start, stop)
 
     def append(self, s: str) -> None:
         if not s:
