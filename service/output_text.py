@@ -49,7 +49,7 @@ class OutputText:
         if self._parts:  # the common read: this step's characters, inside the last part
             last = self._parts[-1]
             begin = self._len - len(last)
-            if start >= begin and (start > 0 or len(self._parts) == 1):
+            if start >= begin:
                 return last[start - begin:end - begin]
         picked, pos = [], self._len  # pos: where the part being looked at ends
         for part in reversed(self._parts):

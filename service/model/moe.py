@@ -274,9 +274,9 @@ class MoE(nn.Module):
     def _one_rank_tail(self, routed: torch.Tensor, h: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor | None:
         """TP 1, up to gemv.max_rows() tokens: the latent's up-projection and the shared experts'
         down-projection land in the same rows, so one GEMV launch sums both (tail.unfused_tail's
-        math, with the sum rounded once); above, two cuBLAS launches
-        (dense_mm.mm_t_sum); None where neither applies. norm: the latent norm's
-        weight, None where there is none or `routed` is normed already."""
+        math, with the sum rounded once); above, two cuBLAS launches (dense_mm.mm_t_sum); None
+        where neither applies. norm: the latent norm's weight, None where there is none or
+        `routed` is normed already."""
         down = self.shared_experts.down_proj
         if self.tp.world_size != 1:
             return None
