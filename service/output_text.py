@@ -24,6 +24,13 @@ class OutputText:
     def __str__(self) -> str:
         return self.slice(0)
 
+    def __eq__(self, other) -> bool:  # as the str it stands for: a whole output equals the engine's
+        if isinstance(other, OutputText | str):
+            return len(other) == self._len and str(other) == str(self)
+        return NotImplemented
+
+    __hash__ = None  # mutable
+
     def __getitem__(self, key: slice) -> str:
         """text[a:b] for the non-negative, step-less slices a stream's reader takes."""
         start, stop, step = key.indices(self._len)

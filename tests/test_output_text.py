@@ -23,7 +23,7 @@ def test_matches_a_plain_string():
                 text.truncate(n)
                 ref = ref[:n]
             else:
-                assert str(text) == ref
+                assert str(text) == ref and text == ref and text == OutputText(ref) and text != ref + "x"
             a = rng.randint(0, len(ref))
             b = rng.randint(a, len(ref))
             assert text.slice(a, b) == ref[a:b] and text.slice(a) == ref[a:] and len(text) == len(ref), trial
