@@ -282,11 +282,11 @@ class MoE(nn.Module):
             return None
         up, scale = self.routed_expert_up_proj.weight, down.weight_scale_inv  # scale: an FP8 model's
         if not gemv.pair_supported(routed, up, h, down.weight, scale):
-            if scale is not None or not dense_mm.enabled(routed):
+            same = routed.dtype == up.dtype == h.dtype == down.weight.dtype  # latent_norm keeps the dtype
+            if scale is not None or not same or not dense_mm.enabled(routed):
                 return None
-            latent = latent_norm(routed, norm, self.eps)  # cuBLAS's rows: the second product onto the first
-            same = latent.dtype == up.dtype == h.dtype == down.weight.dtype
-            return torch.ops.latentserve.mm_t_sum(latent, up, h, down.weight) if same else None
+            # cuBLAS's rows: the second product accumulates onto the first
+            return torch.ops.latentserve.mm_t_sum(latent_norm(routed, norm, self.eps), up, h, down.weight)
         if norm is not None and routed.shape[0] <= gemv.pair_norm_max_rows():  # the norm in the same launch
             return gemv.run(torch.ops.latentserve.gemv_pair_normed, routed, norm, self.eps, up, h, down.weight, 0,
                             scale)
