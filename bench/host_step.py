@@ -6,7 +6,8 @@ packing and launch 2.0 ms a step). This bench runs that host work without a GPU:
 with a model that costs nothing but the decode graphs' input packing (`cuda_graph`'s host side,
 numpy only), then the rank-0 pipe's pickling of the step's outputs and the controller's
 unpickling, as in `bench/stream_outputs.py` (progress outputs as deltas, as the engine loop
-sends them). Each phase is timed per step.
+sends them; an `OutputBatch` where the revision has one), and the controller's extending of
+each stream's whole output (`route`) and its SSE events (`events`). Each phase is timed per step.
 
 With `--against REV` the same measurement also runs on the code of git revision REV (a temporary
 worktree, its own process), the two alternating `--rounds` times; the last line gives each
@@ -31,7 +32,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("schedule", "pack", "postprocess", "pickle", "unpickle", "total")
+PHASES = ("schedule", "pack", "postprocess", "pickle", "unpickle", "route", "events", "total")
 
 
 class SimulatedDevice:
@@ -56,6 +57,35 @@ class SimulatedDevice:
         engine.sampler = wait_then_sample
 
 
+def accumulate(polled, whole: dict) -> list:
+    """The HTTP controller's side of a poll (`Controller._poll_loop`, `Route`): each stream's whole
+    output extended by its delta; the whole outputs, in order."""
+    done = []
+    rows = polled if hasattr(polled, "ids") else ((o.request_id, o, None, None, None, 0) for o in polled)
+    for rid, out, token_ids, text, logprobs, version in rows:  # an older revision polled a list
+        w = whole.get(rid)
+        if out is None:
+            w.advance(token_ids, text, logprobs, version)
+        elif w is None or not out.delta:
+            out.delta = False
+            w = whole[rid] = out
+        else:
+            w.extend(out)
+        done.append(w)
+    return done
+
+
+def stream(done: list, views: dict, make_view) -> None:
+    """Each stream's SSE events for its output (`completions._stream`: the view's chunks)."""
+    for w in done:
+        view = views.get(w.request_id) or views.setdefault(w.request_id, make_view())
+        if hasattr(view, "events"):
+            view.events(0, w)
+        else:  # an older revision encoded each chunk whole
+            for chunk in view.chunks(0, w):
+                sse(chunk)
+
+
 def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
     """ms a decode step for each phase (means over the steps), on the code under ROOT. `prepare`
     (with `overlap`): the graph inputs of a step scheduled ahead are packed, all but the token ids,
@@ -71,6 +101,16 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
         from service.model import cuda_graph
     from service.sampling_params import SamplingParams
     from service.tokenizer import build_tiny_tokenizer
+    try:
+        from service.outputs import OutputBatch
+    except ImportError:  # an older revision (--against): the poll sent its outputs as objects
+        OutputBatch = None
+    global sse
+    from types import SimpleNamespace
+
+    from service.server.completions import _sse as sse
+    from service.server.completions import _View
+    ctl = SimpleNamespace(stream_interval=1, model_name="small", token_text=str)
 
     tok = build_tiny_tokenizer(args.vocab)
     logits = torch.randn(args.streams, args.vocab, generator=torch.Generator().manual_seed(0))
@@ -118,29 +158,40 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
     for i in range(args.streams):
         engine.add_request(f"cmpl-{i:08x}", None, [5 + (i + j) % 1000 for j in range(args.prompt_len)], params)
-    engine.step()  # the prefill
+    first = engine.step()  # the prefill
     pack_s[:] = [0.0, 0.0]
     for k in engine.step_seconds:
         engine.step_seconds[k] = 0.0
-    dumps = loads = wall = 0.0
+    dumps = loads = route = events = wall = 0.0
     steps = 0
+    whole: dict = {}
+    views: dict = {}
+    accumulate(pickle.loads(pickle.dumps(OutputBatch(first) if OutputBatch else first)), whole)
     while engine.has_unfinished():
         t0 = time.perf_counter()
         outs = engine.step()
         t1 = time.perf_counter()
-        blob = pickle.dumps(outs)
+        blob = pickle.dumps(OutputBatch(outs) if OutputBatch else outs)  # rank 0's poll reply
         t2 = time.perf_counter()
-        pickle.loads(blob)
+        got = pickle.loads(blob)
         t3 = time.perf_counter()
+        done = accumulate(got, whole)
+        t4 = time.perf_counter()
+        stream(done, views, lambda: _View(ctl, "completions", "cmpl-x", 0))
+        t5 = time.perf_counter()
+        events += t5 - t4
         wall += t1 - t0
         dumps += t2 - t1
         loads += t3 - t2
+        route += t4 - t3
         steps += 1
     sec = engine.step_seconds
     ms = {"schedule": sec["schedule"], "pack": pack_s[0], "postprocess": sec["postprocess"], "pickle": dumps,
-          "unpickle": loads, "pack_ahead": pack_s[1]}
-    ms["total"] = wall - sec["execute"] + pack_s[0] - sec["sample"] + dumps + loads  # the sampler is the GPU's
-    ms["step"] = wall + dumps + loads  # the wall time of a step, device included (with --device-ms)
+          "unpickle": loads, "route": route, "events": events,
+          "pack_ahead": pack_s[1]}
+    http = dumps + loads + route + events
+    ms["total"] = wall - sec["execute"] + pack_s[0] - sec["sample"] + http  # the sampler is the GPU's
+    ms["step"] = wall + http  # the wall time of a step, device included (with --device-ms)
     return {k: v / steps * 1e3 for k, v in ms.items()} | {"steps": steps}
 
 

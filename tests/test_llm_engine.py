@@ -17,7 +17,9 @@ import torch
 
 from service.engine.llm_engine import LLMEngine
 from service.engine.plan import StepPlan
+from service.outputs import OutputBatch
 from service.sampling_params import InvalidRequest, SamplingParams
+from service.server.route import Route
 from service.tokenizer import build_tiny_tokenizer
 
 VOCAB = 1024
@@ -501,6 +503,19 @@ def test_progress_deltas_rebuild_the_whole_outputs():
             assert whole[d.request_id].outputs == p.outputs
             assert whole[d.request_id].prompt_token_ids == p.prompt_token_ids
     assert sent_delta, "no progress output was a delta"
+    # The same steps as rank 0's poll sends them (an OutputBatch a step, pickled), rebuilt by the
+    # HTTP controller's Route: one-sample deltas as rows of parts, the rest as objects.
+    route, rows = Route(queue=None, loop=None), 0
+    for plain, sent in zip(*runs, strict=True):
+        batch = pickle.loads(pickle.dumps(OutputBatch(sent)))
+        assert [b.request_id for b in batch.outputs()] == [s.request_id for s in sent]
+        for (rid, out, ids, text, lps, version), p in zip(batch, plain, strict=True):
+            rows += out is None
+            assert out is not None or (rid in ("a", "c") and not p.finished)
+            whole = route.accumulate(out) if out is not None else route.advance(rid, ids, text, lps, version)
+            assert whole.outputs == p.outputs and whole.prompt_token_ids == p.prompt_token_ids
+            assert whole.finished == p.finished
+    assert rows, "no output travelled as a row"
 
 
 def test_preempt_all_collects_the_step_in_flight_and_reports_each_output_once(solo_outputs):

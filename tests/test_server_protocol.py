@@ -97,7 +97,7 @@ def test_request_racing_a_sleep_is_refused_with_the_state_not_a_500():
 def test_a_request_past_its_deadline_gets_a_504_after_what_had_arrived():
     """One timer a route puts the 504 into its queue at the deadline: outputs queued before it are
     read first, and a released route's timer is cancelled (nothing is put into a forgotten queue)."""
-    from service.server.controller import Route
+    from service.server.route import Route
 
     ctl = Controller(EngineConfig(model="tiny").resolve(), model_name="tiny", request_timeout_s=0.05)
 

@@ -10,6 +10,7 @@ import gc
 import threading
 
 from ..engine_config import EngineConfig
+from ..outputs import OutputBatch
 from .worker import RankWorker
 
 
@@ -58,8 +59,8 @@ class RankActor(RankWorker):
     def abort(self, request_ids) -> None:
         self.loop.abort(request_ids)
 
-    def poll(self, timeout: float = 1.0):
-        return self.loop.poll(timeout)
+    def poll(self, timeout: float = 1.0) -> OutputBatch:
+        return OutputBatch(self.loop.poll(timeout))
 
     def generate(self, requests, timeout=None):
         return self.loop.generate(requests, timeout)

@@ -16,7 +16,6 @@ import itertools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 from ..cluster.backends import make_executor
 from ..cluster.coordinator import Coordinator
@@ -29,6 +28,7 @@ from ..sampling_params import InvalidRequest, SamplingParams
 from ..weights.transports import INBOX_NAMESPACE
 from .metrics import Metrics
 from .protocol import APIError
+from .route import Failure, Route
 
 log = get_logger("controller")
 
@@ -39,39 +39,6 @@ PARK_S = 3600.0
 # actor counts at once.
 MISSED_PINGS_UNHEALTHY = 3
 LOOP_LAG_PERIOD_S = 0.05
-
-
-@dataclass
-class Failure:
-    """Put into a request's queue when the request cannot finish (rank death, restart)."""
-
-    status: int
-    message: str
-
-
-@dataclass
-class Route:
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    request_ids: list[str] = field(default_factory=list)
-    finished: set[str] = field(default_factory=set)  # engine requests that reported their end
-    admitted: bool = False
-    released: bool = False
-    whole: dict[str, RequestOutput] = field(default_factory=dict)  # per engine request, deltas applied
-    deadline: asyncio.TimerHandle | None = None  # puts the 504 into the queue; release cancels it
-
-    def accumulate(self, out: RequestOutput) -> RequestOutput:
-        """The whole output so far: the engine loop reports a stream's progress as deltas."""
-        if not out.delta:
-            self.whole[out.request_id] = out
-            return out
-        whole = self.whole.get(out.request_id)
-        if whole is None:
-            out.delta = False
-            self.whole[out.request_id] = out
-            return out
-        whole.extend(out)
-        return whole
 
 
 class Controller:
@@ -316,10 +283,12 @@ class Controller:
                     self._fail_all(503, e.message)
                 await asyncio.sleep(0.5)
                 continue
-            for out in outs:
-                route = self._routes.get(out.request_id)
+            routes = self._routes
+            for rid, out, token_ids, text, logprobs, version in outs:
+                route = routes.get(rid)
                 if route is not None:
-                    route.queue.put_nowait(route.accumulate(out))
+                    route.queue.put_nowait(route.accumulate(out) if out is not None
+                                           else route.advance(rid, token_ids, text, logprobs, version))
 
     async def _watch_loop_lag(self) -> None:
         while True:
