@@ -183,7 +183,7 @@ class _View:
 
     def events(self, p: int, out: RequestOutput) -> list[str]:
         """`chunks` as their SSE events, byte for byte, the head encoded once (`_open`)."""
-        tail = f'],"weight_version":{out.weight_version}}}\n\n'
+        tail = f'],"weight_version":{_json(out.weight_version)}}}\n\n'
         return [self._open + _json(c) + tail for c in self._choices(p, out)]
 
     def _choices(self, p: int, out: RequestOutput) -> list[dict]:
