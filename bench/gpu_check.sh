@@ -24,7 +24,8 @@
 # 0.75-0.8 of a core); `bench_http`: `bench`, then `serve_http`. Serving prints each load's
 # first-token split (`first_token_ms`: admit, queue, device, report, rest), the HTTP process's
 # cores (`api_cpu`) and loop lag. `serve_ab SECONDS DIR`: 256 streams on this export's server
-# and on the export in DIR (e.g. ../base), alternating, twice each: a change to the HTTP process.
+# and on the export in DIR (e.g. ../base), alternating, twice each (AB_PAIRS=3: three times; a
+# server takes ~75 s: 55 s to start, 13 s of load): a change to the HTTP process.
 # `goal`: the decode goal table alone (a short budget). `serve_std`: the same with uvloop and
 # httptools (wheels in .whl/std/) against asyncio and h11.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
@@ -99,7 +100,7 @@ serve256() {  # label, export folder, PYTHONPATH prefix: one server's 256-stream
 }
 if [ "$what" = serve_ab ]; then  # this tree's server against another export's ($3), alternating, 256 streams
   base=${3:?serve_ab needs the folder of the other export}
-  for i in 1 2; do serve256 "base$i" "$base" ""; serve256 "this$i" . ""; done
+  for i in $(seq 1 "${AB_PAIRS:-2}"); do serve256 "base$i" "$base" ""; serve256 "this$i" . ""; done
 fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
