@@ -40,7 +40,7 @@ def test_events_are_the_chunks_encoded(endpoint):
         c = out.outputs[0]
         c.text = c.text.replace("t1", 'é"\\')
         c.logprobs = [{t: -0.5, t + 1: -1.5} for t in c.token_ids]
-        out.weight_version = 7
+        out.weight_version = 7 if n < 3 else 8  # an update between two chunks
         assert views[0].events(0, out) == [_sse(chunk) for chunk in views[1].chunks(0, out)]
 
 

@@ -165,6 +165,7 @@ class _View:
         # Every chunk's event up to its choices, encoded once: the head's dict merged and encoded
         # again each token was most of a chunk's cost.
         self._open = "data: " + _json(self.head())[:-1] + ',"choices":['
+        self._version, self._close = object(), ""  # the events' end, encoded again when the version changes
 
     def head(self) -> dict:
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
@@ -183,8 +184,10 @@ class _View:
 
     def events(self, p: int, out: RequestOutput) -> list[str]:
         """`chunks` as their SSE events, byte for byte, the head encoded once (`_open`)."""
-        tail = f'],"weight_version":{_json(out.weight_version)}}}\n\n'
-        return [self._open + _json(c) + tail for c in self._choices(p, out)]
+        if out.weight_version != self._version:
+            self._version = out.weight_version
+            self._close = f'],"weight_version":{_json(out.weight_version)}}}\n\n'
+        return [self._open + _json(c) + self._close for c in self._choices(p, out)]
 
     def _choices(self, p: int, out: RequestOutput) -> list[dict]:
         choices = []
