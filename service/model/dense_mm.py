@@ -9,8 +9,8 @@ the shared experts' down-projection (run 78's profile at 256 rows: 2 copies of 1
 the second product accumulates onto the first in place: no copy.
 
 On by default since run 83 (H100, `small`, 256 sequences): 22.0 -> 20.0 kernels a layer, the step
-0.99x (7.994 -> 7.868 ms); 1.00x at 1-64, where the GEMV runs. LATENTSERVE_OPAQUE_MM=0: the
-bench's `addmm` baseline.
+0.99x (7.994 -> 7.868 ms); 1.00x at 1-64, where the GEMV runs. Run 89 (another H100): the addmm
+build 1.02x the default at 256. LATENTSERVE_OPAQUE_MM=0: the bench's `addmm` baseline.
 """
 
 from __future__ import annotations
