@@ -225,8 +225,9 @@ def step_phases(before: dict, after: dict) -> dict:
 
 
 def first_token_split(before: dict, after: dict) -> dict | None:
-    """Mean ms of a first token's parts in the window: the controller's HTTP arrival to its
-    add_request answered (`admit`), then in the engine queued until the step that samples it
+    """Mean ms of a first token's parts in the window: the ASGI app's first sight of the request to
+    its route's start (`http`: body read and validated), then to its add_request answered
+    (`admit`), then in the engine queued until the step that samples it
     launches, launched to landed on the host, landed to handed to the readers, and the server's
     TTFT; `rest` is what none of them covers (mostly the output's way back: poll, queue, SSE)."""
     def delta(key: str) -> dict | None:
@@ -240,8 +241,8 @@ def first_token_split(before: dict, after: dict) -> dict | None:
            "report": eng["report_s"] / n * 1e3}
     if ctl and ctl["requests"]:
         m = ctl["requests"]
-        out.update(admit=ctl["admit_s"] / m * 1e3, ttft=ctl["ttft_s"] / m * 1e3)
-        out["rest"] = out["ttft"] - out["admit"] - out["queue"] - out["device"] - out["report"]
+        out.update(http=ctl.get("http_s", 0.0) / m * 1e3, admit=ctl["admit_s"] / m * 1e3, ttft=ctl["ttft_s"] / m * 1e3)
+        out["rest"] = out["ttft"] - out["http"] - out["admit"] - out["queue"] - out["device"] - out["report"]
     return {k: round(v, 2) for k, v in out.items()}
 
 

@@ -24,6 +24,20 @@ from .protocol import APIError
 log = get_logger("server")
 
 
+class ArrivalStamp:
+    """Stamps each HTTP request with the time the ASGI app first sees it (`request.state.arrival`),
+    before FastAPI reads and validates its body: the first token's `http` part. A plain ASGI
+    wrapper, so nothing runs per streamed chunk."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
 def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -34,6 +48,7 @@ def create_app(controller: Controller, admin_key: str | None) -> FastAPI:
     app = FastAPI(title="latentserve", lifespan=lifespan)
     app.state.controller = controller
     app.state.admin_key = admin_key
+    app.add_middleware(ArrivalStamp)
     app.include_router(completions.router)
     app.include_router(admin.router)
 

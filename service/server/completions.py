@@ -76,9 +76,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 async def _serve(ctl: Controller, request: Request, endpoint: str, prompts, params: SamplingParams,
                  stream: bool, include_usage: bool, top_n: int = 0):
-    arrival = time.monotonic()
+    handler = time.monotonic()
+    arrival = getattr(request.state, "arrival", handler)  # app.ArrivalStamp: before the body was read
     route = await ctl.submit(prompts, params, prefix="chatcmpl" if endpoint == "chat" else "cmpl")
-    timer = _TokenTimer(ctl, endpoint, arrival, admitted=time.monotonic())
+    timer = _TokenTimer(ctl, endpoint, arrival, handler, admitted=time.monotonic())
     view = _View(ctl, endpoint, new_id("chatcmpl" if endpoint == "chat" else "cmpl"), top_n)
     if stream:
         gen = _stream(ctl, route, view, timer, include_usage, arrival + ctl.request_timeout_s)
@@ -216,11 +217,13 @@ class _View:
 class _TokenTimer:
     """Time to first token and inter-token latency as the controller sees them."""
 
-    def __init__(self, ctl: Controller, endpoint: str, arrival: float, admitted: float):
+    def __init__(self, ctl: Controller, endpoint: str, arrival: float, handler: float, admitted: float):
         self.metrics = ctl.metrics
         self.first_token = ctl.first_token
         self.endpoint = endpoint
-        self.arrival, self.admitted = arrival, admitted  # admitted: rank 0 holds the request
+        # arrival: the ASGI app first saw the request; handler: the route began (body read and
+        # validated, a chat's template applied); admitted: rank 0 holds the request
+        self.arrival, self.handler, self.admitted = arrival, handler, admitted
         self.last: float | None = None
         self.tokens: dict[tuple[str, int], int] = {}
 
@@ -237,7 +240,8 @@ class _TokenTimer:
             self.metrics.ttft.observe(now - self.arrival)
             ft = self.first_token
             ft["requests"] += 1
-            ft["admit_s"] += self.admitted - self.arrival
+            ft["http_s"] += self.handler - self.arrival
+            ft["admit_s"] += self.admitted - self.handler
             ft["ttft_s"] += now - self.arrival
         else:
             for _ in range(new):

@@ -56,9 +56,10 @@ class Controller:
         self.deadline_s = deadline_s or float(os.environ.get("LATENTSERVE_RANK_DEADLINE_S", "120"))
         self.request_timeout_s = request_timeout_s or float(os.environ.get("LATENTSERVE_REQUEST_TIMEOUT_S", "600"))
         self.metrics = Metrics()
-        # Summed over streams' first tokens: HTTP arrival to add_request answered, and to the first
-        # token here. With the engine's own split (its stats' first_token) they place a TTFT's time.
-        self.first_token = {"requests": 0, "admit_s": 0.0, "ttft_s": 0.0}
+        # Summed over streams' first tokens: HTTP arrival (app.ArrivalStamp) to the route's start
+        # (http), from there to add_request answered (admit), and arrival to the first token here.
+        # With the engine's own split (its stats' first_token) they place a TTFT's time.
+        self.first_token = {"requests": 0, "http_s": 0.0, "admit_s": 0.0, "ttft_s": 0.0}
         # How late the event loop runs a timer, summed: HTTP intake, every stream's chunks and the
         # poller share one loop, and a late loop delays first tokens outside the split above.
         self.loop_lag = {"samples": 0, "lag_s": 0.0}
