@@ -134,9 +134,12 @@ async def _clients(url: str, clients: int, prompts: list[list[int]], max_tokens:
             except Exception as e:
                 errors.append(f"{type(e).__name__}: {e}")
 
+    cpu0, t0 = time.process_time(), time.monotonic()
     async with AsyncClient(url, timeout=600.0, max_connections=clients + 4) as c:
         await asyncio.gather(*(client_loop(c) for _ in range(clients)))
-    return {"results": results, "errors": errors}
+    # This process's share of a core: near 1.0, its own parsing delays the streams it times.
+    cpu = (time.process_time() - cpu0) / max(time.monotonic() - t0, 1e-9)
+    return {"results": results, "errors": errors, "cpu": cpu}
 
 
 def _client_process(url: str, clients: int, prompts: list[list[int]], max_tokens: int, duration: float,
@@ -173,7 +176,9 @@ def load_phase(url: str, clients: int, prompts: list[list[int]], max_tokens: int
         parts = [queue.get(timeout=duration + 900) for _ in procs_]
         for proc in procs_:
             proc.join(30)
-    return summarize(clients, [r for p in parts for r in p["results"]], [e for p in parts for e in p["errors"]])
+    summary = summarize(clients, [r for p in parts for r in p["results"]], [e for p in parts for e in p["errors"]])
+    summary["client_cpu"] = round(max(p.get("cpu", 0.0) for p in parts), 3)  # the busiest client process
+    return summary
 
 
 def summarize(clients: int, results: list[dict], errors: list[str]) -> dict:
@@ -450,7 +455,8 @@ def run_levels(args, argv_serve: list[str] | None, levels, prompts, env: dict | 
             log(f"{clients} clients: {load['tokens_per_s']:.1f} output tokens/s, {load['requests']} requests, "
                 f"{load['errors']} errors; TTFT p50/p99 {load['ttft']['p50'] * 1e3:.0f}/{load['ttft']['p99'] * 1e3:.0f} "
                 f"(mean {load['ttft']['mean'] * 1e3:.0f}) "
-                f"ms, ITL p50/p99 {load['itl']['p50'] * 1e3:.1f}/{load['itl']['p99'] * 1e3:.1f} ms; engine steps "
+                f"ms, ITL p50/p99 {load['itl']['p50'] * 1e3:.1f}/{load['itl']['p99'] * 1e3:.1f} ms; "
+                f"client_cpu {load['client_cpu']} (busiest of {args.client_procs or 1}); engine steps "
                 f"{load.get('engine_steps')}")
             loads.append(load)
         if key and args.cycles:

@@ -96,3 +96,4 @@ def test_short_cpu_run_with_client_processes_and_the_offline_baseline(tmp_path):
         assert level["offline_tokens_per_s"] > 0 and level["http_over_offline"] > 0
     full = json.loads(out.read_text())
     assert all(load["output_tokens"] == 36 for load in full["loads"])
+    assert all(load["client_cpu"] > 0 for load in full["loads"])  # measured in the client processes
