@@ -57,25 +57,16 @@ class SimulatedDevice:
         engine.sampler = wait_then_sample
 
 
-def accumulate(polled, whole: dict) -> list:
-    """The HTTP controller's side of a poll (`Controller._poll_loop`, `Route`): each stream's whole
-    output extended by its delta; the whole outputs, in order."""
-    done = []
-    rows = polled if hasattr(polled, "ids") else ((o.request_id, o, None, None, None, 0) for o in polled)
-    for rid, out, token_ids, text, logprobs, version in rows:  # an older revision polled a list
-        w = whole.get(rid)
-        if out is None:
-            w.advance(token_ids, text, logprobs, version)
-        elif w is None or not out.delta:
-            out.delta = False
-            w = whole[rid] = out
-        else:
-            w.extend(out)
-        done.append(w)
-    return done
+def accumulate(polled, route) -> list:
+    """The HTTP controller's side of a poll (`Controller._poll_loop`): each stream's whole output
+    extended by its delta through the controller's `Route`; the whole outputs, in order."""
+    if not hasattr(polled, "ids"):  # an older revision polled a list of outputs
+        return [route.accumulate(out) for out in polled]
+    return [route.accumulate(out) if out is not None else route.advance(rid, token_ids, text, logprobs, version)
+            for rid, out, token_ids, text, logprobs, version in polled]
 
 
-def stream(done: list, views: dict, make_view) -> None:
+def stream(done: list, views: dict, make_view, sse) -> None:
     """Each stream's SSE events for its output (`completions._stream`: the view's chunks)."""
     for w in done:
         view = views.get(w.request_id) or views.setdefault(w.request_id, make_view())
@@ -105,11 +96,13 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
         from service.outputs import OutputBatch
     except ImportError:  # an older revision (--against): the poll sent its outputs as objects
         OutputBatch = None
-    global sse
+    try:
+        from service.server.route import Route
+    except ImportError:  # an older revision (--against): Route lived in the controller
+        from service.server.controller import Route
     from types import SimpleNamespace
 
-    from service.server.completions import _sse as sse
-    from service.server.completions import _View
+    from service.server.completions import _sse, _View
     ctl = SimpleNamespace(stream_interval=1, model_name="small", token_text=str)
 
     tok = build_tiny_tokenizer(args.vocab)
@@ -162,11 +155,11 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
     pack_s[:] = [0.0, 0.0]
     for k in engine.step_seconds:
         engine.step_seconds[k] = 0.0
-    dumps = loads = route = events = wall = 0.0
+    dumps = loads = routed = events = wall = 0.0
     steps = 0
-    whole: dict = {}
+    route = Route(queue=None, loop=None)  # one route holds every stream's whole output here
     views: dict = {}
-    accumulate(pickle.loads(pickle.dumps(OutputBatch(first) if OutputBatch else first)), whole)
+    accumulate(pickle.loads(pickle.dumps(OutputBatch(first) if OutputBatch else first)), route)
     while engine.has_unfinished():
         t0 = time.perf_counter()
         outs = engine.step()
@@ -175,21 +168,21 @@ def measure(args, overlap: bool = False, prepare: bool = False) -> dict:
         t2 = time.perf_counter()
         got = pickle.loads(blob)
         t3 = time.perf_counter()
-        done = accumulate(got, whole)
+        done = accumulate(got, route)
         t4 = time.perf_counter()
-        stream(done, views, lambda: _View(ctl, "completions", "cmpl-x", 0))
+        stream(done, views, lambda: _View(ctl, "completions", "cmpl-x", 0), _sse)
         t5 = time.perf_counter()
         events += t5 - t4
         wall += t1 - t0
         dumps += t2 - t1
         loads += t3 - t2
-        route += t4 - t3
+        routed += t4 - t3
         steps += 1
     sec = engine.step_seconds
     ms = {"schedule": sec["schedule"], "pack": pack_s[0], "postprocess": sec["postprocess"], "pickle": dumps,
-          "unpickle": loads, "route": route, "events": events,
+          "unpickle": loads, "route": routed, "events": events,
           "pack_ahead": pack_s[1]}
-    http = dumps + loads + route + events
+    http = dumps + loads + routed + events
     ms["total"] = wall - sec["execute"] + pack_s[0] - sec["sample"] + http  # the sampler is the GPU's
     ms["step"] = wall + http  # the wall time of a step, device included (with --device-ms)
     return {k: v / steps * 1e3 for k, v in ms.items()} | {"steps": steps}
