@@ -27,12 +27,13 @@
 # and on the export in DIR (e.g. ../base), alternating, twice each (AB_PAIRS=3: three times; a
 # server takes ~75 s: 55 s to start, 13 s of load): a change to the HTTP process.
 # `goal`: the decode goal table alone (a short budget). `serve_std`: the same with uvloop and
-# httptools (wheels in .whl/std/) against asyncio and h11.
+# httptools (wheels in .whl/std/) against asyncio and h11. `serve_gil`: the same with Python's GIL
+# hand-over interval at GIL_MS (default 1) against its 5 ms, in every process of the serve.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|goal] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +112,12 @@ if [ "$what" = serve_std ]; then  # uvicorn's standard extras (uvloop, httptools
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_std ../../.whl/std/*.whl > /dev/null 2>&1
   PYTHONPATH=/tmp/site_std:$PYTHONPATH python3 -c "import uvloop, httptools; print('== std:', uvloop.__version__, httptools.__version__)"
   for i in 1 2; do serve256 "stdlib$i" . ""; serve256 "std$i" . /tmp/site_std:; done
+fi
+if [ "$what" = serve_gil ]; then  # the GIL hand-over interval: 5 ms (Python's) against GIL_MS (default 1) in every process
+  # A sitecustomize on PYTHONPATH sets it in the HTTP process, the spawned ranks and the bench's clients alike.
+  mkdir -p /tmp/site_gil && echo "import sys; sys.setswitchinterval(${GIL_MS:-1} / 1000)" > /tmp/site_gil/sitecustomize.py
+  PYTHONPATH=/tmp/site_gil:$PYTHONPATH python3 -c "import sys; print('== gil: switch interval', sys.getswitchinterval())"
+  for i in $(seq 1 "${AB_PAIRS:-2}"); do serve256 "gil5ms$i" . ""; serve256 "gil${GIL_MS:-1}ms$i" . /tmp/site_gil:; done
 fi
 if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: grouped experts, GEMV above 64 rows
   timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \
