@@ -26,7 +26,7 @@
 # cores (`api_cpu`) and loop lag. `serve_ab SECONDS DIR`: 256 streams on this export's server
 # and on the export in DIR (e.g. ../base), alternating, twice each (AB_PAIRS=3: three times; a
 # server takes ~75 s: 55 s to start, 13 s of load): a change to the HTTP process.
-# `goal`: the decode goal table alone (a short budget). `serve_std`: the same with uvloop and
+# `goal`: the decode goal table alone (a short budget; BASELINES=a,b adds bench/gpu.py baselines). `serve_std`: the same with uvloop and
 # httptools (wheels in .whl/std/) against asyncio and h11. `serve_gil`: the same with Python's GIL
 # hand-over interval at GIL_MS (default 1) against its 5 ms, in every process of the serve.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
@@ -105,8 +105,9 @@ if [ "$what" = serve_ab ]; then  # this tree's server against another export's (
 fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
-    --batches 1,8,64,256 --profile-batches "" --baselines same_build --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    --batches 1,8,64,256 --profile-batches "" --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== goal rc=$?"; grep -E "copy bandwidth|decode batch|baseline|FLOOR INVALID" "$OUT/bench.log" | cut -c1-330
+  [ -n "${TESTS:-}" ] && group tests "$(left)" $TESTS  # TESTS="tests/gpu/x.py ...": the candidates' GPU tests after
 fi
 if [ "$what" = serve_std ]; then  # uvicorn's standard extras (uvloop, httptools: gpu_wheels.sh puts them in .whl/std) against asyncio and h11
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_std ../../.whl/std/*.whl > /dev/null 2>&1
@@ -205,7 +206,8 @@ if [ "$what" = tests_kda ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests_engine ] || [ "$what" = all ]; then
   group tp 250 tests/gpu/test_tp_graphs.py
-  group engine 300 tests/gpu/test_dense_mm_cuda.py tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py
+  group engine 300 tests/gpu/test_dense_mm_cuda.py tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py \
+    tests/gpu/test_l2_prefetch_cuda.py
 fi
 if [ "$what" = all ]; then
   group k3 300 tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py
