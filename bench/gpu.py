@@ -505,10 +505,6 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The build before the opaque cuBLAS products (dense_mm.py, the default since run 83):
              # Inductor's addmm copies the residual first, 2 copies of 1.6 us a MoE layer at 256 rows.
              "addmm": {"LATENTSERVE_OPAQUE_MM": "0"},
-             # Each layer's dense weights (41 MB of `small`'s) bulk-prefetched into L2 from a side
-             # stream as the layer starts (model/l2_prefetch.py), at every batch; `_last` marks them evict-last.
-             "l2_prefetch": {"LATENTSERVE_L2_PREFETCH": "256"},
-             "l2_prefetch_last": {"LATENTSERVE_L2_PREFETCH": "256", "LATENTSERVE_L2_PREFETCH_EVICT_LAST": "1"},
              # Gate/up's programs lay out their own row blocks from the router's ids up to 128 pairs, no
              # align launch (moe_grouped.align_in_max_pairs, the default since run 70): `align_kernel`
              # is the build before it; 512 pairs takes batch 64 too, every program reading 512 ids.

@@ -206,8 +206,7 @@ if [ "$what" = tests_kda ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests_engine ] || [ "$what" = all ]; then
   group tp 250 tests/gpu/test_tp_graphs.py
-  group engine 300 tests/gpu/test_dense_mm_cuda.py tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py \
-    tests/gpu/test_l2_prefetch_cuda.py
+  group engine 300 tests/gpu/test_dense_mm_cuda.py tests/gpu/test_engine_cuda.py tests/gpu/test_fusion.py tests/gpu/test_prefill_graphs.py
 fi
 if [ "$what" = all ]; then
   group k3 300 tests/gpu/test_k3_tp.py tests/gpu/test_k3_graphs_cuda.py

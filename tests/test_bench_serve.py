@@ -80,6 +80,8 @@ def test_summary_percentiles_and_rates():
     assert s["ttft"]["p50"] == pytest.approx(0.2) and s["ttft"]["p99"] == pytest.approx(0.3)  # nearest rank
     assert s["itl"] == pytest.approx({"p50": 0.01, "p90": 0.01, "p99": 0.01, "mean": 0.01})
     assert s["ttft"]["mean"] == pytest.approx(0.15)
+    s = bench.summarize(2, results[::-1], [])  # the first wave by start time, not by arrival in the list
+    assert s["ttft_first_wave"] == pytest.approx(0.05) and s["ttft_after"] == pytest.approx(0.25)
     empty = bench.summarize(2, [], ["all failed"])
     assert empty["requests"] == 0 and empty["tokens_per_s"] == 0.0
 

@@ -20,7 +20,6 @@ from . import fp8
 from .attention import MLAAttention
 from .attn_metadata import AttnMetadata
 from .attn_res import attn_res_mix
-from .l2_prefetch import LayerPrefetch
 from .layers import (
     GatedMLP,
     ParallelLMHead,
@@ -126,7 +125,6 @@ class DecoderModel(nn.Module):
                          else None)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.prefetch = LayerPrefetch.from_env()  # None unless LATENTSERVE_L2_PREFETCH (l2_prefetch.py)
         # Kimi's MLA layers are NoPE and its KDA layers have no positions: no rope table then.
         self.rotary_emb = None if cfg.mla_use_nope else RotaryEmbedding(cfg)
         self.attn_res = cfg.attn_res_block_size is not None
@@ -152,11 +150,7 @@ class DecoderModel(nn.Module):
         cache = (lambda i: caches[i]) if caches is not None else (lambda i: None)
         pending = None
         for i, layer in enumerate(self.layers):
-            if self.prefetch is not None:
-                self.prefetch.issue(i, layer, h)
             h, pending = layer(h, rope, meta, cache(i), pending, bank)
-        if self.prefetch is not None:
-            self.prefetch.join()
         return self.final(h, pending, bank)
 
     def new_bank(self, h: torch.Tensor) -> torch.Tensor | None:
