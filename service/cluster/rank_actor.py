@@ -7,10 +7,8 @@ Under Ray each method runs on its own actor thread (max_concurrency), so control
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 
-from .. import gil
 from ..engine_config import EngineConfig
 from ..outputs import OutputBatch
 from .worker import RankWorker
@@ -23,11 +21,9 @@ class RankActor(RankWorker):
         super().__init__(rank, config)
         self.loop = None
         self._stopped = threading.Event()
-        self._switch_before: float | None = None
 
     def start(self) -> None:
         self._freeze_gc()
-        self._switch_before = gil.hand_over_often()  # the RPC threads answer while the engine thread runs
         if self.rank != 0:
             self.start_following()
             return
@@ -101,5 +97,3 @@ class RankActor(RankWorker):
             self.stop_followers()
         self.shutdown()
         gc.unfreeze()
-        if self._switch_before is not None:  # an in-process engine leaves its host process as it was
-            sys.setswitchinterval(self._switch_before)

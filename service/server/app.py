@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import gil
 from ..client import SERVER_KEEP_ALIVE_S
 from ..engine_config import EngineConfig, engine_kwargs
 from ..log import get_logger
@@ -122,7 +121,6 @@ def serve(args: argparse.Namespace) -> int:
                                             "the other admin routes answer 403")
     if args.enable_test_hooks:
         log.warning("test_hooks_on", note="state-changing collective_rpc hooks are allowed; never in production")
-    gil.hand_over_often()  # the rank-0 reader thread delivers replies while the event loop is busy
     t0 = time.perf_counter()
     try:
         controller.load()
