@@ -12,6 +12,7 @@ raises `ServiceError(status, message)` with the server's body (per-rank outcomes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -128,6 +129,49 @@ def _limits(max_connections: int) -> httpx.Limits:
                         keepalive_expiry=CLIENT_KEEP_ALIVE_S)
 
 
+# Trace events after which a request owns its connection: a new one (never offered to another
+# request while it connects) or an idle one it has started to write on.
+_CLAIMED = frozenset({"connection.connect_tcp.started", "connection.connect_unix_socket.started",
+                      "http11.send_request_headers.started", "http2.send_request_headers.started"})
+
+
+class _PoolGate:
+    """Lets one request at a time into httpx's connection pool, until it owns a connection.
+
+    httpcore 1.0's pool offers every request queued at one moment the first idle connection; one
+    claims it and the others fail, clear and retry, one event-loop turn each, while other idle
+    connections wait. Streams that end together queue together, so at 64 concurrent streams through
+    one client that pile-up held new requests 0.2-1.4 s before their first byte was sent, with
+    ~1,500 failed claims per 256 requests, and the server saw a fraction of the streams (CPU
+    serving 0.4x the tokens/s; bench/RESULTS.md, 2026-12-06). Alone in the queue, a request takes a
+    connection no other request holds, and it leaves the gate as soon as it does (the `trace`
+    extension): the claims are serialized, not the requests."""
+
+    def __init__(self):
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def claim(self):
+        """Yields the request's `extensions`; the gate opens at the claim or when the request ends."""
+        await self._lock.acquire()
+        held = True
+
+        def open_gate() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._lock.release()
+
+        async def trace(name: str, info) -> None:
+            if name in _CLAIMED:
+                open_gate()
+
+        try:
+            yield {"trace": trace}
+        finally:
+            open_gate()
+
+
 class Client(_Base):
     def __init__(self, base_url: str, admin_key: str | None = None, timeout: float = 600.0,
                  model: str | None = None):
@@ -237,10 +281,12 @@ class AsyncClient(_Base):
                  model: str | None = None, max_connections: int = 256):
         super().__init__(base_url, admin_key, model)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=_limits(max_connections))
+        self._gate = _PoolGate()
 
     async def _do(self, call: _Call):
-        return _result(await self._http.request(call.method, call.path, params=call.params, json=call.json,
-                                                headers=self._headers(call)))
+        async with self._gate.claim() as ext:
+            return _result(await self._http.request(call.method, call.path, params=call.params, json=call.json,
+                                                    headers=self._headers(call), extensions=ext))
 
     async def completions(self, prompt, **params) -> dict:
         return await self._do(_Calls.completions(prompt, **self._with_model(params)))
@@ -250,7 +296,8 @@ class AsyncClient(_Base):
 
     async def stream_completions(self, prompt, **params) -> AsyncIterator[dict]:
         call = _Calls.completions(prompt, **self._with_model(params), stream=True)
-        async with self._http.stream(call.method, call.path, json=call.json) as r:
+        async with self._gate.claim() as ext, self._http.stream(call.method, call.path, json=call.json,
+                                                                 extensions=ext) as r:
             if r.status_code >= 400:
                 await r.aread()
                 _result(r)
@@ -294,7 +341,8 @@ class AsyncClient(_Base):
         return await self._do(_Call("GET", "/metrics"))
 
     async def health(self) -> dict:
-        return (await self._http.get("/health")).json()
+        async with self._gate.claim() as ext:
+            return (await self._http.get("/health", extensions=ext)).json()
 
     async def wait_ready(self, timeout: float = 300.0, interval: float = 0.5) -> dict:
         deadline = time.monotonic() + timeout
