@@ -129,47 +129,45 @@ def _limits(max_connections: int) -> httpx.Limits:
                         keepalive_expiry=CLIENT_KEEP_ALIVE_S)
 
 
-# Trace events after which a request owns its connection: a new one (never offered to another
-# request while it connects) or an idle one it has started to write on.
-_CLAIMED = frozenset({"connection.connect_tcp.started", "connection.connect_unix_socket.started",
-                      "http11.send_request_headers.started", "http2.send_request_headers.started"})
+class _Lanes:
+    """One connection per concurrent request: a free lane (an httpx client of one connection) is
+    taken without waiting, a new one made when none is free, up to `max_lanes`.
 
+    httpcore 1.0's shared pool offers every request queued at one moment the first idle
+    connection; one claims it and the others fail, clear and retry, one event-loop turn each.
+    Streams that end together queue together, so at 64 concurrent streams through one pool new
+    requests waited 0.2-1.4 s before their first byte was sent, with ~1,500 failed claims per 256
+    requests, and the server saw a fraction of the streams (bench/RESULTS.md, 2026-12-06). Letting
+    one request at a time into the pool ended the failed claims but still cost a loop turn per
+    request (50-150 ms at 64 streams); a lane costs none. The lanes share one TLS context."""
 
-class _PoolGate:
-    """Lets one request at a time into httpx's connection pool, until it owns a connection.
-
-    httpcore 1.0's pool offers every request queued at one moment the first idle connection; one
-    claims it and the others fail, clear and retry, one event-loop turn each, while other idle
-    connections wait. Streams that end together queue together, so at 64 concurrent streams through
-    one client that pile-up held new requests 0.2-1.4 s before their first byte was sent, with
-    ~1,500 failed claims per 256 requests, and the server saw a fraction of the streams (CPU
-    serving 0.4x the tokens/s; bench/RESULTS.md, 2026-12-06). Alone in the queue, a request takes a
-    connection no other request holds, and it leaves the gate as soon as it does (the `trace`
-    extension): the claims are serialized, not the requests."""
-
-    def __init__(self):
-        self._lock = asyncio.Lock()
+    def __init__(self, base_url: str, timeout: float, max_lanes: int):
+        self._make = lambda ssl: httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=_limits(1), verify=ssl)
+        self._ssl = None
+        self._idle: list[httpx.AsyncClient] = []
+        self._all: list[httpx.AsyncClient] = []
+        self._free = asyncio.Semaphore(max_lanes)  # waits only while every lane is busy
 
     @contextlib.asynccontextmanager
-    async def claim(self):
-        """Yields the request's `extensions`; the gate opens at the claim or when the request ends."""
-        await self._lock.acquire()
-        held = True
-
-        def open_gate() -> None:
-            nonlocal held
-            if held:
-                held = False
-                self._lock.release()
-
-        async def trace(name: str, info) -> None:
-            if name in _CLAIMED:
-                open_gate()
-
+    async def lane(self):
+        await self._free.acquire()
         try:
-            yield {"trace": trace}
+            if not self._idle:
+                if self._ssl is None:
+                    self._ssl = httpx.create_ssl_context()
+                self._all.append(self._make(self._ssl))
+                self._idle.append(self._all[-1])
+            http = self._idle.pop()
+            try:
+                yield http
+            finally:
+                self._idle.append(http)
         finally:
-            open_gate()
+            self._free.release()
+
+    async def aclose(self) -> None:
+        for http in self._all:
+            await http.aclose()
 
 
 class Client(_Base):
@@ -280,13 +278,12 @@ class AsyncClient(_Base):
     def __init__(self, base_url: str, admin_key: str | None = None, timeout: float = 600.0,
                  model: str | None = None, max_connections: int = 256):
         super().__init__(base_url, admin_key, model)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=_limits(max_connections))
-        self._gate = _PoolGate()
+        self._lanes = _Lanes(self.base_url, timeout, max_connections)
 
     async def _do(self, call: _Call):
-        async with self._gate.claim() as ext:
-            return _result(await self._http.request(call.method, call.path, params=call.params, json=call.json,
-                                                    headers=self._headers(call), extensions=ext))
+        async with self._lanes.lane() as http:
+            return _result(await http.request(call.method, call.path, params=call.params, json=call.json,
+                                              headers=self._headers(call)))
 
     async def completions(self, prompt, **params) -> dict:
         return await self._do(_Calls.completions(prompt, **self._with_model(params)))
@@ -296,8 +293,7 @@ class AsyncClient(_Base):
 
     async def stream_completions(self, prompt, **params) -> AsyncIterator[dict]:
         call = _Calls.completions(prompt, **self._with_model(params), stream=True)
-        async with self._gate.claim() as ext, self._http.stream(call.method, call.path, json=call.json,
-                                                                 extensions=ext) as r:
+        async with self._lanes.lane() as http, http.stream(call.method, call.path, json=call.json) as r:
             if r.status_code >= 400:
                 await r.aread()
                 _result(r)
@@ -341,8 +337,8 @@ class AsyncClient(_Base):
         return await self._do(_Call("GET", "/metrics"))
 
     async def health(self) -> dict:
-        async with self._gate.claim() as ext:
-            return (await self._http.get("/health", extensions=ext)).json()
+        async with self._lanes.lane() as http:
+            return (await http.get("/health")).json()
 
     async def wait_ready(self, timeout: float = 300.0, interval: float = 0.5) -> dict:
         deadline = time.monotonic() + timeout
@@ -359,7 +355,7 @@ class AsyncClient(_Base):
         raise TimeoutError(f"{self.base_url} not ready within {timeout}s ({last})")
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._lanes.aclose()
 
     async def __aenter__(self):
         return self

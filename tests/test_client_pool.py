@@ -1,9 +1,10 @@
 """`AsyncClient` keeps many concurrent streams on their own connections (service/client.py's
-_PoolGate). httpcore 1.0's pool offers every request queued at one moment the same idle
+_Lanes). httpcore 1.0's shared pool offers every request queued at one moment the same idle
 connection, and all but one fail to claim it and retry; streams that end together queue together.
 Against a plain SSE server on uvicorn whose streams all end at the same instant: through the
-product's client no claim fails and all the streams are open at once; the same load through a
-bare httpx client with the same limits (the negative control) shows the failed claims."""
+product's client no claim fails, all the streams are open at once and later rounds reuse the
+first round's connections; the same load through one bare httpx client with the same limits (the
+negative control) shows the failed claims."""
 
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ class _SSE:
 
     def __init__(self):
         self.open = self.most_open = 0
+        self.clients = set()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
+        self.clients.add(tuple(scope["client"]))  # (host, port): one a connection
         while (await receive()).get("more_body"):
             pass
         self.open += 1
@@ -101,10 +104,11 @@ async def _bare(url: str) -> None:
 
 def test_concurrent_streams_claim_their_connections_without_retries(server, failed_claims):
     url, app = server
-    app.most_open = 0
+    app.most_open, app.clients = 0, set()
     asyncio.run(_product(url))
     assert failed_claims["failed"] == 0
-    assert app.most_open == STREAMS  # the gate serializes claims, not requests
+    assert app.most_open == STREAMS
+    assert len(app.clients) == STREAMS  # ROUNDS x STREAMS requests, each stream's lane kept its connection
 
 
 def test_negative_control_the_bare_pool_retries_its_claims(server, failed_claims):
