@@ -115,3 +115,18 @@ def test_negative_control_the_bare_pool_retries_its_claims(server, failed_claims
     url, _ = server
     asyncio.run(_bare(url))
     assert failed_claims["failed"] > 0
+
+
+def test_streams_beyond_max_connections_wait_for_a_free_lane(server):
+    url, app = server
+    app.most_open, app.clients = 0, set()
+
+    async def load():
+        async with AsyncClient(url, max_connections=4) as c:
+            async def stream():
+                return [chunk async for chunk in c.stream_completions([[1, 2]], max_tokens=1)]
+            return await asyncio.gather(*(stream() for _ in range(12)))
+
+    outs = asyncio.run(load())
+    assert all(out == [{"choices": [{"token_ids": [1]}]}] for out in outs)
+    assert app.most_open == 4 and len(app.clients) == 4
