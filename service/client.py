@@ -142,22 +142,24 @@ class _Lanes:
     request (50-150 ms at 64 streams); a lane costs none. The lanes share one TLS context."""
 
     def __init__(self, base_url: str, timeout: float, max_lanes: int):
-        self._make = lambda ssl: httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=_limits(1), verify=ssl)
+        self._base_url, self._timeout = base_url, timeout
         self._ssl = None
         self._idle: list[httpx.AsyncClient] = []
         self._all: list[httpx.AsyncClient] = []
         self._free = asyncio.Semaphore(max_lanes)  # waits only while every lane is busy
 
+    def _new(self) -> httpx.AsyncClient:
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()
+        http = httpx.AsyncClient(base_url=self._base_url, timeout=self._timeout, limits=_limits(1), verify=self._ssl)
+        self._all.append(http)
+        return http
+
     @contextlib.asynccontextmanager
     async def lane(self):
         await self._free.acquire()
         try:
-            if not self._idle:
-                if self._ssl is None:
-                    self._ssl = httpx.create_ssl_context()
-                self._all.append(self._make(self._ssl))
-                self._idle.append(self._all[-1])
-            http = self._idle.pop()
+            http = self._idle.pop() if self._idle else self._new()
             try:
                 yield http
             finally:
