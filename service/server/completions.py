@@ -133,8 +133,8 @@ async def _stream(ctl: Controller, route: Route, view: _View, timer: _TokenTimer
             timer.observe(out)
             if out.finished:
                 route.finished.add(out.request_id)
-            if out.finished or out.error is not None or any(c.finish_reason for c in out.outputs):
-                await ctl.check_output(out)  # a coroutine a token was ~2% of the HTTP process (py-spy, run 80)
+            if ctl.failed(out):
+                await ctl.check_output(out)
             for event in view.events(route.request_ids.index(out.request_id), out):
                 yield event
             if out.finished:
