@@ -143,14 +143,12 @@ class _Lanes:
 
     def __init__(self, base_url: str, timeout: float, max_lanes: int):
         self._base_url, self._timeout = base_url, timeout
-        self._ssl = None
+        self._ssl = httpx.create_ssl_context()
         self._idle: list[httpx.AsyncClient] = []
         self._all: list[httpx.AsyncClient] = []
         self._free = asyncio.Semaphore(max_lanes)  # waits only while every lane is busy
 
     def _new(self) -> httpx.AsyncClient:
-        if self._ssl is None:
-            self._ssl = httpx.create_ssl_context()
         http = httpx.AsyncClient(base_url=self._base_url, timeout=self._timeout, limits=_limits(1), verify=self._ssl)
         self._all.append(http)
         return http
