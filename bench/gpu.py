@@ -572,12 +572,22 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              "gemv_narrow_tiles": {"LATENTSERVE_GEMV_WIDE_TILES": "0"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).
              "fusions_off": {"LATENTSERVE_INDUCTOR_PDL": "0", "LATENTSERVE_MLA_ABSORB": "0",
-                             "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"}}
+                             "LATENTSERVE_MLA_WRITE_KV": "0", "LATENTSERVE_GEMV_PAIR": "0"},
+             # Keys not LATENTSERVE_* are the engine's arguments. KV blocks of 32 slots alone (the
+             # control), then with MLA decode's tiles copied by TMA from inside a block
+             # (mla_decode_tma.py): predicted 0.95-0.97x at batch 256, 0.97-0.98x at 64, nothing at 1-8.
+             "kv_block_32": {"block_size": 32},
+             "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
+             "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}
 
 
 def bench_decode(args, bw: float) -> LLM:
-    baselines = {name: isolated(f"baseline {name}", partial(mode_graph_ms, args, env), ms={}, profiles=[])
-                 for name, env in BASELINES.items() if name in args.baselines}
+    def build(spec: dict) -> dict:
+        env = {k: v for k, v in spec.items() if k.startswith("LATENTSERVE_")}
+        return mode_graph_ms(args, env, **{k: v for k, v in spec.items() if k not in env})
+
+    baselines = {name: isolated(f"baseline {name}", partial(build, spec), ms={}, profiles=[])
+                 for name, spec in BASELINES.items() if name in args.baselines}
     RESULTS["baselines"] = baselines
     import torch._dynamo.utils as dynamo_utils
 

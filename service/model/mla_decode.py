@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from . import mla_absorb, mla_merge, pdl  # noqa: F401 - mla_absorb registers the W_UV op the one-split case calls
+from . import mla_absorb, mla_decode_tma, mla_merge, mla_parts, pdl  # noqa: F401 - mla_absorb registers the W_UV op
 
 try:
     import triton
@@ -95,27 +95,12 @@ def launch_config(batch: int, num_heads: int) -> dict:
     # tiles at 4 stages (3 buffers, 3 programs an SM) lost in the engine: batch 256 1.10x slower.
     # Tried and removed (run 43): 8 warps capped at 128 registers (2 programs of 8 warps an SM, no
     # spills) where ncu had found this one latency-bound: batch 64 1.05x, 256 1.12x slower.
-    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "PREFETCH_BT": True}
+    # LATENTSERVE_MLA_TMA=1 (a candidate): these tiles by TMA copies (mla_decode_tma.py).
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "PREFETCH_BT": True,
+            "TMA": os.environ.get("LATENTSERVE_MLA_TMA", "0") == "1"}
 
 
 if triton is not None:
-
-    @triton.jit
-    def _block_ids(bt_ptr, b, stride_bt, offs, end, BLOCK_SIZE: tl.constexpr):
-        """The cache blocks holding sequence b's positions offs (0 from `end` on)."""
-        return tl.load(bt_ptr + b * stride_bt + offs // BLOCK_SIZE, mask=offs < end, other=0)
-
-    @triton.jit
-    def _bounds(ctx_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_KV: tl.constexpr):
-        """(context, this split's first position, where its tile loop stops, whether it owns the
-        new token). Splits start on BLOCK_N boundaries; trailing splits may be empty."""
-        ctx = tl.load(ctx_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, ctx)
-        owns_new = (start <= ctx - 1) & (ctx - 1 < end)
-        loop_end = tl.minimum(end, ctx - 1) if WRITE_KV else end
-        return ctx, start, loop_end, owns_new
 
     @triton.jit
     def _kv_tile(kv_ptr, blk, offs, nmask, stride_slot, d_lat, d_pe, BLOCK_SIZE: tl.constexpr, D_LAT: tl.constexpr):
@@ -124,31 +109,6 @@ if triton is not None:
         k_lat = tl.load(kv_ptr + slot[:, None] * stride_slot + d_lat[None, :], mask=nmask[:, None], other=0.0)
         k_pe = tl.load(kv_ptr + slot[:, None] * stride_slot + D_LAT + d_pe[None, :], mask=nmask[:, None], other=0.0)
         return k_lat, k_pe
-
-    @triton.jit
-    def _query_pe(qpe_ptr, cos_ptr, sin_ptr, b, heads, hmask, stride_pb, stride_ph, stride_cs,
-                  D_PE: tl.constexpr, ROPE: tl.constexpr):
-        """Sequence b's q_pe rows [BLOCK_H, D_PE], roped here when ROPE (1: halves, 2: DeepSeek's
-        interleaved pairs, de-interleaved as layers.apply_rope leaves them and the cache holds
-        k_pe): cos/sin [B, D_PE / 2] rounded to q's dtype, the products summed in fp32 and the
-        result rounded to q's dtype, as the compiled layer's rope kernel computes it."""
-        d = tl.arange(0, D_PE)
-        rows = qpe_ptr + b * stride_pb + heads[:, None] * stride_ph
-        if ROPE == 0:
-            return tl.load(rows + d[None, :], mask=hmask[:, None], other=0.0)
-        half = D_PE // 2
-        j = d % half
-        first = d < half
-        if ROPE == 2:
-            x1_at, x2_at = 2 * j, 2 * j + 1
-        else:
-            x1_at, x2_at = j, j + half
-        x1 = tl.load(rows + x1_at[None, :], mask=hmask[:, None], other=0.0)
-        x2 = tl.load(rows + x2_at[None, :], mask=hmask[:, None], other=0.0)
-        c = tl.load(cos_ptr + b * stride_cs + j).to(x1.dtype).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + b * stride_cs + j).to(x1.dtype).to(tl.float32)[None, :]
-        a, o = x1.to(tl.float32), x2.to(tl.float32)
-        return tl.where(first[None, :], a * c - o * s, o * c + a * s).to(x1.dtype)
 
     @triton.jit
     def _attend(q_lat, q_pe, k_lat, k_pe, nmask, m_i, l_i, acc, scale, IEEE: tl.constexpr):
@@ -198,27 +158,27 @@ if triton is not None:
         d_lat = tl.arange(0, D_LAT)
         d_pe = tl.arange(0, D_PE)
         pdl.enter(PDL)
-        ctx, start, loop_end, owns_new = _bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
+        ctx, start, loop_end, owns_new = mla_parts.bounds(ctx_ptr, b, split, NUM_SPLITS, BLOCK_N, WRITE_KV)
 
         heads = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < num_heads
         q_lat = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d_lat[None, :], mask=hmask[:, None],
                         other=0.0)
-        q_pe = _query_pe(qpe_ptr, cos_ptr, sin_ptr, b, heads, hmask, stride_pb, stride_ph, stride_cs, D_PE, ROPE)
+        q_pe = mla_parts.query_pe(qpe_ptr, cos_ptr, sin_ptr, b, heads, hmask, stride_pb, stride_ph, stride_cs, D_PE, ROPE)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
         if PREFETCH_BT:
-            blk_next = _block_ids(bt_ptr, b, stride_bt, start + tl.arange(0, BLOCK_N), loop_end, BLOCK_SIZE)
+            blk_next = mla_parts.block_ids(bt_ptr, b, stride_bt, start + tl.arange(0, BLOCK_N), loop_end, BLOCK_SIZE)
         for n0 in range(start, loop_end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             nmask = offs < loop_end
             if PREFETCH_BT:
                 blk = blk_next
-                blk_next = _block_ids(bt_ptr, b, stride_bt, offs + BLOCK_N, loop_end, BLOCK_SIZE)
+                blk_next = mla_parts.block_ids(bt_ptr, b, stride_bt, offs + BLOCK_N, loop_end, BLOCK_SIZE)
             else:
-                blk = _block_ids(bt_ptr, b, stride_bt, offs, loop_end, BLOCK_SIZE)
+                blk = mla_parts.block_ids(bt_ptr, b, stride_bt, offs, loop_end, BLOCK_SIZE)
             k_lat, k_pe = _kv_tile(kv_ptr, blk, offs, nmask, stride_slot, d_lat, d_pe, BLOCK_SIZE, D_LAT)
             m_i, l_i, acc = _attend(q_lat, q_pe, k_lat, k_pe, nmask, m_i, l_i, acc, scale, IEEE)
 
@@ -302,6 +262,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
               **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
+    tma = launch.pop("TMA", False) and mla_decode_tma.supported(kv_cache, kv_lora_rank, launch["BLOCK_N"])
     write = new_kv is not None
     if write:
         if new_kv.shape != (b, d) or new_kv.dtype != kv_cache.dtype or new_slots is None or new_slots.shape != (b,):
@@ -312,8 +273,13 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if rope is not None and (cos.shape != (b, q_pe.shape[-1] // 2) or sin.shape != cos.shape
                              or cos.stride() != sin.stride() or cos.stride(-1) != 1):
         raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} do not fit q_pe {tuple(q_pe.shape)}")
-    _mla_decode_split[grid](
-        q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse,
+    kernel, caches = _mla_decode_split, (kv_cache,)
+    if tma:
+        launch.pop("PREFETCH_BT", None)
+        kernel, caches = mla_decode_tma._mla_decode_tma, (
+            kv_cache, *mla_decode_tma.descriptors(kv_cache, kv_lora_rank, launch["BLOCK_N"]))
+    kernel[grid](
+        q_lat, q_pe, *caches, block_tables, context_lens, o, lse,
         new_kv if write else kv_cache, new_slots if write else context_lens, cos, sin,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1), block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0,

@@ -14,7 +14,7 @@ from kernel_env import DEVICE, kernel_marks, require_kernel_device, skip_interpr
 
 require_kernel_device()
 
-from service.model import mla_decode  # noqa: E402
+from service.model import mla_decode, mla_decode_tma  # noqa: E402
 
 # Interpreted runs are CPU runs: the gpu marker would make conftest skip them.
 pytestmark = kernel_marks(300)
@@ -139,3 +139,43 @@ def test_small_warps_switch_reaches_only_the_few_program_launches(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_MLA_SMALL_WARPS", "16")  # bench/gpu.py's mla_16_warps candidate
     assert mla_decode.launch_config(1, 16)["num_warps"] == mla_decode.launch_config(8, 16)["num_warps"] == 16
     assert mla_decode.launch_config(64, 16)["num_warps"] == 4
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_tma_tiles_match_reference(dtype, tol, write):
+    """LATENTSERVE_MLA_TMA's kernel (mla_decode_tma.py): tiles copied by TMA from inside one cache
+    block of 32 or 64 slots, the positions after the last whole tile by masked loads, over contexts
+    that end mid-tile and mid-block, poisoned slots past them, 1 to 16 splits and 20 heads (two
+    head blocks); the same call with 16-slot blocks takes the plain kernel."""
+    skip_interpreted_16bit_dot(dtype)
+    lora, rope, heads, batch = 64, 16, 20, 5
+    for block_size, block_n in ((32, 32), (64, 32), (64, 16)):
+        q, kv, tables, ctx, ctx_list = case(block_size + block_n, batch, heads, lora, rope, block_size, dtype, 200)
+        assert mla_decode_tma.supported(kv, lora, block_n)
+        scale = (lora + rope) ** -0.5
+        new, expected_kv = {}, kv.clone()
+        if write:
+            g = torch.Generator().manual_seed(5)
+            rows = torch.randn(batch, lora + rope, generator=g).to(DEVICE, dtype)
+            slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                                  for i, n in enumerate(ctx_list)]).to(DEVICE)
+            new = {"new_kv": rows, "new_slots": slots}
+            expected_kv.view(-1, lora + rope)[slots] = rows
+        ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
+        cfg = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "TMA": True}
+        for splits in (1, 4, 16):
+            cache = kv.clone()
+            out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
+            assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
+            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+            assert err < tol, f"blocks of {block_size}, {cfg}, {splits} splits: relative error {err:.2e}"
+            assert torch.equal(cache.nan_to_num(), expected_kv.nan_to_num()), "the cache holds other rows than expected"
+    assert not mla_decode_tma.supported(torch.zeros(4, 16, lora + rope, dtype=dtype, device=DEVICE), lora, 32)
+
+
+def test_tma_switch_reaches_only_the_prefetching_launches(monkeypatch):
+    assert not mla_decode.launch_config(64, 16)["TMA"]
+    monkeypatch.setenv("LATENTSERVE_MLA_TMA", "1")  # bench/gpu.py's mla_tma candidate
+    assert mla_decode.launch_config(64, 16)["TMA"] and mla_decode.launch_config(256, 16)["TMA"]
+    assert "TMA" not in mla_decode.launch_config(8, 16)
