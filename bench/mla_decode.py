@@ -3,10 +3,11 @@ the copy bandwidth measured in the same run, for the default launch and, with --
 launch shape (splits, BLOCK_N, warps, stages), and the torch path (gather + two bmm's) as the
 baseline.
 
-    python bench/mla_decode.py [--batches 1 8 64 256] [--context 1024] [--sweep [--prefetch]]
-                               [--write-kv] [--in-order] [--json out.json]
+    python bench/mla_decode.py [--batches 1 8 64 256] [--context 1024] [--sweep [--prefetch] [--tma]]
+                               [--write-kv] [--in-order] [--block-size 16] [--json out.json]
 
-Shapes are the `small` preset's (16 heads, kv_lora_rank 512, rope 64, block size 16). Each
+Shapes are the `small` preset's (16 heads, kv_lora_rank 512, rope 64, block size 16 unless
+--block-size). LATENTSERVE_MLA_TMA=1 times the default launch on TMA tiles (blocks of 32 or 64). Each
 measurement is a CUDA graph of back-to-back calls cycling through enough KV caches that they
 never sit in L2, as a decode step's 24 layers read 24 different caches.
 """
@@ -82,8 +83,12 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps the sweep tries (0: none)")
     ap.add_argument("--write-kv", action="store_true", help="the kernel writes and attends each sequence's new token")
     ap.add_argument("--in-order", action="store_true", help="blocks in order (a fresh engine's), not shuffled")
+    ap.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size (the engine's --block-size)")
+    ap.add_argument("--tma", action="store_true", help="the sweep's shapes on TMA tiles (mla_decode_tma.py)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    global BLOCK
+    BLOCK = args.block_size
     bw = copy_bandwidth("cuda")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
@@ -99,7 +104,7 @@ def main() -> None:
         if args.sweep:
             prefetch = (False, True) if args.prefetch else (False,)
             shapes = [{"splits": splits, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PREFETCH_BT": pf,
-                       **({"maxnreg": maxnreg} if maxnreg else {})}
+                       **({"maxnreg": maxnreg} if maxnreg else {}), **({"TMA": True} if args.tma else {})}
                       for splits, bn, warps, stages, pf, maxnreg in itertools.product(
                           args.splits, args.block_n, args.warps, args.stages, prefetch, args.maxnreg)
                       if b * splits <= 8192]
