@@ -71,6 +71,7 @@ def torch_path(v):
 
 
 def main() -> None:
+    global BLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--context", type=int, default=1024)
@@ -83,11 +84,10 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps the sweep tries (0: none)")
     ap.add_argument("--write-kv", action="store_true", help="the kernel writes and attends each sequence's new token")
     ap.add_argument("--in-order", action="store_true", help="blocks in order (a fresh engine's), not shuffled")
-    ap.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size (the engine's --block-size)")
+    ap.add_argument("--block-size", type=int, default=16, help="KV cache block size (the engine's --block-size)")
     ap.add_argument("--tma", action="store_true", help="the sweep's shapes on TMA tiles (mla_decode_tma.py)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    global BLOCK
     BLOCK = args.block_size
     bw = copy_bandwidth("cuda")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
