@@ -278,6 +278,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         launch.pop("PREFETCH_BT", None)
         kernel, caches = mla_decode_tma._mla_decode_tma, (
             kv_cache, *mla_decode_tma.descriptors(kv_cache, kv_lora_rank, launch["BLOCK_N"]))
+        launch["MAX_TILES"] = mla_decode_tma.max_tiles(block_tables, block_size, splits, launch["BLOCK_N"])
     kernel[grid](
         q_lat, q_pe, *caches, block_tables, context_lens, o, lse,
         new_kv if write else kv_cache, new_slots if write else context_lens, cos, sin,
