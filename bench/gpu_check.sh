@@ -26,14 +26,15 @@
 # cores (`api_cpu`) and loop lag. `serve_ab SECONDS DIR`: 256 streams on this export's server
 # and on the export in DIR (e.g. ../base), alternating, twice each (AB_PAIRS=3: three times; a
 # server takes ~75 s: 55 s to start, 13 s of load): a change to the HTTP process.
-# `goal`: the decode goal table alone (a short budget; BASELINES=a,b adds bench/gpu.py baselines). `serve_std`: the same with uvloop and
+# `goal`: the decode goal table alone (a short budget; BASELINES=a,b adds bench/gpu.py baselines). `mla_tma`: MLA
+# decode's TMA tiles standalone against the cp.async kernel at 64 and 256 sequences, then `goal` with their baselines and tests. `serve_std`: the same with uvloop and
 # httptools (wheels in .whl/std/) against asyncio and h11. `serve_gil`: the same with Python's GIL
 # hand-over interval at GIL_MS (default 1) against its 5 ms, in every process of the serve.
 # Every group writes $OUT/<group>.txt; the summary lines go to stdout.
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|mla_tma] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +103,16 @@ serve256() {  # label, export folder, PYTHONPATH prefix: one server's 256-stream
 if [ "$what" = serve_ab ]; then  # this tree's server against another export's ($3), alternating, 256 streams
   base=${3:?serve_ab needs the folder of the other export}
   for i in $(seq 1 "${AB_PAIRS:-2}"); do serve256 "base$i" "$base" ""; serve256 "this$i" . ""; done
+fi
+if [ "$what" = mla_tma ]; then  # MLA decode's TMA tiles (mla_decode_tma.py): standalone, then in the engine
+  # Run 99 timed the first version (a synchronous block-id load before each copy): 1.11x the cp.async
+  # kernel standalone, 1.03-1.04x in the engine. This is the version with the split's ids in registers.
+  for t in 0 1; do
+    LATENTSERVE_MLA_TMA=$t timeout 60 python3 bench/mla_decode.py --batches 64 256 --write-kv --in-order \
+      --block-size $((16 + 16 * t)) > "$OUT/mla_tma$t.log" 2>&1
+    echo "== mla standalone, TMA $t rc=$?"; cut -c1-170 "$OUT/mla_tma$t.log"
+  done
+  BASELINES=${BASELINES:-kv_block_32,mla_tma,mla_tma_64} TESTS=${TESTS:-tests/gpu/test_mla_decode_kernel.py} what=goal
 fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \

@@ -1,10 +1,16 @@
 """What Triton makes of the MLA decode kernel for the H200, without a GPU: for each launch shape,
 the shared memory, how many KV tiles the software pipeline keeps in flight, registers, spills,
-and so how many programs fit on one SM. Compiled for sm_90 from the kernel's source, with the
+how many programs fit on one SM, and the SASS instructions of one tile (the innermost loop with
+tensor-core MMAs, by Triton's own nvdisasm). Compiled for sm_90 from the kernel's source, with the
 16-byte divisibility the JIT infers at a real launch (without it Triton pipelines nothing).
 
     pip install triton==3.6.0      # any machine: the compiler and ptxas need no GPU
     python bench/triton_ir.py [--block-n 16 32] [--warps 4 8] [--stages 2 3 4 5] [--write-kv] [--prefetch]
+                              [--tma [--block-size 32]]
+
+--tma compiles mla_decode_tma.py's kernel instead (KV tiles by TMA; blocks of --block-size slots).
+2026-12-06, write-kv, 32-token tiles, 4 warps, 3 stages: the cp.async kernel's tile is 932
+instructions for 68 MMAs; the TMA kernel's 450 (467 with the split's block ids in registers).
 
 Why it exists (bench/RESULTS.md, 2026-12-04): `num_stages` barely moved the kernel in sweeps
 because the block-table load took the pipeline's first stages and the KV tile got one buffer
@@ -29,7 +35,7 @@ try:
 except ImportError:
     sys.exit("bench/triton_ir.py needs Triton (pip install triton==3.6.0); no GPU is needed")
 
-from service.model import mla_decode  # noqa: E402
+from service.model import mla_decode, mla_decode_tma  # noqa: E402
 
 REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 POINTERS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "ctx_ptr": "*i64",
@@ -52,9 +58,59 @@ def compile_split(block_n: int, warps: int, stages: int, write_kv: int, prefetch
                           options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
 
 
+def compile_tma(block_n: int, warps: int, stages: int, write_kv: int, block_size: int):
+    fn = mla_decode_tma._mla_decode_tma
+    names = fn.arg_names
+    consts = dict(BLOCK_SIZE=block_size, D_LAT=512, D_PE=64, BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=block_n,
+                  NUM_SPLITS=1, WRITE_KV=write_kv, IEEE=False, PDL=True, ROPE=0, MAX_TILES=8192 // block_n)
+    descs = {"lat_desc": f"tensordesc<bf16[{block_n},256]>", "pe_desc": f"tensordesc<bf16[{block_n},64]>"}
+    sig = {n: "constexpr" if n in consts else "fp32" if n == "scale" else descs.get(n, POINTERS.get(n, "i32"))
+           for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and n not in UNSPECIALIZED and n not in descs}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
+                                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def tile_loop(ptx: str) -> tuple[int, int, int]:
+    """(instructions, MMAs, local-memory accesses) of the shortest backward-branch loop holding a
+    tile's MMAs: the tile loop, not the mbarrier spin-waits around it."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        subprocess.run([_tool("ptxas"), "--gpu-name", "sm_90a", path, "-o", os.path.join(d, "k.cubin")], check=True)
+        sass = subprocess.run([_tool("nvdisasm"), "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True,
+                              check=True).stdout
+    at, label, ins = {}, None, []
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.L_x_(\d+):", line)
+        a = re.search(r"/\*([0-9a-f]{4,5})\*/", line)
+        if m:
+            label = m.group(1)
+        elif a:
+            ins.append((int(a.group(1), 16), line))
+            if label is not None:
+                at[label], label = ins[-1][0], None
+    best = (0, 0, 0)
+    for addr, line in ins:
+        m = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", line)
+        if m and at.get(m.group(1), addr + 1) < addr:
+            body = [x for a, x in ins if at[m.group(1)] <= a <= addr]
+            mma = sum("HMMA" in x for x in body)
+            if mma and (not best[0] or len(body) < best[0]):
+                best = (len(body), mma, sum("LDL" in x or "STL" in x for x in body))
+    return best
+
+
 def registers(ptx: str) -> tuple[int, int]:
     """(registers a thread, spilled bytes) from ptxas -v, Triton's own ptxas."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = _tool("ptxas")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -79,17 +135,24 @@ def main() -> None:
     ap.add_argument("--write-kv", action="store_true", help="the engine's variant: writes the new token")
     ap.add_argument("--prefetch", action="store_true", help="also PREFETCH_BT (next tile's block table a step ahead)")
     ap.add_argument("--maxnreg", type=int, help="cap registers a thread (ptx .maxnreg)")
+    ap.add_argument("--tma", action="store_true", help="mla_decode_tma.py's kernel (KV tiles by TMA)")
+    ap.add_argument("--block-size", type=int, default=32, help="--tma: KV cache block size (a multiple of BLOCK_N)")
     args = ap.parse_args()
     for bn, warps, stages, pf in itertools.product(args.block_n, args.warps, args.stages,
                                                   (False, True) if args.prefetch else (False,)):
-        k = compile_split(bn, warps, stages, int(args.write_kv), pf, args.maxnreg)
-        ttgir = k.asm["ttgir"]
-        kv = re.search(r"memdesc<(\d+)x\d+x512x", ttgir)
+        if args.tma:
+            k = compile_tma(bn, warps, stages, int(args.write_kv), args.block_size)
+            kv = re.search(r"memdesc<(\d+)x\d+x256x", k.asm["ttgir"])
+        else:
+            k = compile_split(bn, warps, stages, int(args.write_kv), pf, args.maxnreg)
+            kv = re.search(r"memdesc<(\d+)x\d+x512x", k.asm["ttgir"])
         regs, spill = registers(k.asm["ptx"])
+        n, mma, local = tile_loop(k.asm["ptx"])
         smem = k.metadata.shared
-        print(f"BLOCK_N {bn:3d} warps {warps} stages {stages} prefetch {pf!s:5}: shared {smem / 1024:6.1f} KB, "
-              f"KV buffers {kv.group(1) if kv else 0}, {regs} registers, {spill} B spilled, "
-              f"{programs_per_sm(regs, smem, warps)} programs an SM", flush=True)
+        print(f"{'TMA ' if args.tma else ''}BLOCK_N {bn:3d} warps {warps} stages {stages} prefetch {pf!s:5}: "
+              f"shared {smem / 1024:6.1f} KB, KV buffers {kv.group(1) if kv else 0}, {regs} registers, {spill} B "
+              f"spilled, {programs_per_sm(regs, smem, warps)} programs an SM; a tile {n} instructions ({mma} MMAs, "
+              f"{local} local)", flush=True)
 
 
 if __name__ == "__main__":
