@@ -10,7 +10,8 @@ tensor-core MMAs, by Triton's own nvdisasm). Compiled for sm_90 from the kernel'
 
 --tma compiles mla_decode_tma.py's kernel instead (KV tiles by TMA; blocks of --block-size slots).
 2026-12-06, write-kv, 32-token tiles, 4 warps, 3 stages: the cp.async kernel's tile is 932
-instructions for 68 MMAs; the TMA kernel's 450 (467 with the split's block ids in registers).
+instructions for 68 MMAs; the TMA kernel's 450 (479 with the split's block ids in registers, 44
+bytes spilled a thread where 636 were).
 
 Why it exists (bench/RESULTS.md, 2026-12-04): `num_stages` barely moved the kernel in sweeps
 because the block-table load took the pipeline's first stages and the KV tile got one buffer
