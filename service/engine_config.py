@@ -86,6 +86,8 @@ class EngineConfig:
             raise ConfigError(f"async_output must be auto, on or off, got {self.async_output!r}")
         if self.pool_layout not in ("segregated", "interleaved"):
             raise ConfigError(f"pool_layout must be segregated or interleaved, got {self.pool_layout!r}")
+        if not (0 < self.block_size <= 512 and self.block_size & (self.block_size - 1) == 0):
+            raise ConfigError(f"block_size must be a power of 2 from 1 to 512, got {self.block_size}")
         max_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
@@ -146,6 +148,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache slots a block (a power of 2: 1-512)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache size per rank")
     p.add_argument("--cuda-graph-batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64], metavar="1,2,4",
                    help="decode batch sizes captured as CUDA graphs (those above --max-num-seqs are dropped)")
@@ -164,7 +167,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         sleep_preserve_parameter_names=args.sleep_preserve_parameter_names, fused_tail=args.fused_tail,
         device=args.device, ray_address=args.ray_address, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, tail_deadline_s=args.tail_deadline_s,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * (1 << 30)),
         cuda_graph_batch_sizes=args.cuda_graph_batch_sizes, dummy_weights=args.dummy_weights,
         async_output=args.async_output,

@@ -33,12 +33,19 @@ def test_missing_model_exits_2():
     assert "neither a preset" in p.stderr
 
 
+def test_bad_block_size_exits_2_with_reason():
+    p = _run("generate", "--model", "tiny", "--block-size", "24", "--prompt", "x")
+    assert p.returncode == 2
+    assert "block_size must be a power of 2" in p.stderr
+
+
 def test_generate_without_ray_mp_tp2_matches_uni_tp1():
+    # The mp run also keeps its KV cache in blocks of 32 slots (--block-size): the same tokens.
     common = ("generate", "--model", "tiny", "--dtype", "float32", "--prompt-token-ids", "5,6,7,8",
               "--max-tokens", "8", "--json")
     outs = {}
-    for backend, tp in (("uni", "1"), ("mp", "2")):
-        p = _run(*common, "--tp", tp, "--distributed-executor-backend", backend)
+    for backend, tp, extra in (("uni", "1", ()), ("mp", "2", ("--block-size", "32"))):
+        p = _run(*common, "--tp", tp, "--distributed-executor-backend", backend, *extra)
         assert p.returncode == 0, p.stderr[-2000:]
         outs[backend] = [json.loads(line)["token_ids"] for line in p.stdout.splitlines() if line.startswith("{")]
     assert outs["mp"] == outs["uni"] and len(outs["uni"][0]) == 8
