@@ -262,7 +262,8 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
               **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
-    tma = launch.pop("TMA", False) and mla_decode_tma.supported(kv_cache, kv_lora_rank, launch["BLOCK_N"])
+    tma = (launch.pop("TMA", False) and mla_decode_tma.supported(kv_cache, kv_lora_rank, launch["BLOCK_N"])
+           and mla_decode_tma.max_tiles(block_tables, block_size, splits, launch["BLOCK_N"]) <= mla_decode_tma.MAX_TILES)
     write = new_kv is not None
     if write:
         if new_kv.shape != (b, d) or new_kv.dtype != kv_cache.dtype or new_slots is None or new_slots.shape != (b,):

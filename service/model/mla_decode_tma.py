@@ -32,6 +32,9 @@ except ImportError:  # CPU machines, or a Triton without tensor descriptors
     triton = None
 
 MAX_BOX = 256  # elements a TMA box may span in one dimension
+# Above this many tiles a split (32K positions in 32-token tiles) the ids vector would cost more
+# registers and a wider pick each tile than it saves: the cp.async kernel runs instead.
+MAX_TILES = 1024
 
 
 def supported(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int) -> bool:
@@ -162,9 +165,10 @@ if triton is not None:
         tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
 
     def max_tiles(block_tables: torch.Tensor, block_size: int, splits: int, block_n: int) -> int:
-        """A bound on a split's tiles from the block tables' width (a CUDA graph's is fixed)."""
+        """A bound on a split's tiles from the block tables' width: a constexpr, so a power of 2 and at
+        least 64, which keeps a mixed step's varying widths to a few compiles (a CUDA graph's is fixed)."""
         per_split = -(-block_tables.shape[1] * block_size // splits)
-        return triton.next_power_of_2(-(-per_split // block_n))
+        return max(64, triton.next_power_of_2(-(-per_split // block_n)))
 
     def descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int) -> tuple:
         """The cache as [slots, width] rows, in tiles of block_n rows: a latent half, the rope columns."""

@@ -179,3 +179,7 @@ def test_tma_switch_reaches_only_the_prefetching_launches(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_MLA_TMA", "1")  # bench/gpu.py's mla_tma candidate
     assert mla_decode.launch_config(64, 16)["TMA"] and mla_decode.launch_config(256, 16)["TMA"]
     assert "TMA" not in mla_decode.launch_config(8, 16)
+    # The ids vector's length, a constexpr: at least 64 (few compiles as a mixed step's tables
+    # widen), over MAX_TILES the cp.async kernel (8192 blocks of 32 slots in one split: 8192 tiles).
+    assert mla_decode_tma.max_tiles(torch.zeros(3, 4), 32, 1, 32) == 64
+    assert mla_decode_tma.max_tiles(torch.zeros(3, 8192), 32, 1, 32) > mla_decode_tma.MAX_TILES
