@@ -96,8 +96,9 @@ if [ "$what" = serve_http ] || [ "$what" = bench_http ]; then  # py-spy of the s
   grep -E -A80 "serve-bench|py-spy of" "$OUT/serve_spy.log" | grep -v "^\s*$" | cut -c1-1200 | head -150
 fi
 serve256() {  # label, export folder, PYTHONPATH prefix: one server's 256-stream load (serve_ab, serve_std); SERVE_ARGS: more bench/serve.py options
+  # The client processes named, so an A/B against an export from before the 8-process default has the same clients.
   PYTHONPATH=$3$PYTHONPATH OUT="$OUT/$1" timeout "$(( $(left) > 150 ? 150 : $(left) ))" bash "$2/bench/gpu_serve.sh" \
-    serve --no-offline --clients 256 --requests 2048 ${SERVE_ARGS:-} > "$OUT/serve_$1.log" 2>&1
+    serve --no-offline --clients 256 --requests 2048 --client-procs 8 ${SERVE_ARGS:-} > "$OUT/serve_$1.log" 2>&1
   echo "== serve $1 rc=$?"; grep -E "256 clients" "$OUT/serve_$1.log" | cut -c1-1500
 }
 if [ "$what" = serve_ab ]; then  # this tree's server against another export's ($3), alternating, 256 streams
