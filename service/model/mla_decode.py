@@ -9,6 +9,9 @@ the GPU busy when the batch is small; their partial outputs merge by log-sum-exp
 The split count depends on the batch size only, never on context lengths read from the
 device, so a CUDA graph captured for a batch size stays valid for any context. A second small
 Triton kernel merges the splits (mla_merge.py; or merges them and applies W_UV: `merge_out`).
+The split kernel copies its KV tiles with cp.async; mla_decode_tma.py is the same contract with
+TMA copies (a candidate, `LATENTSERVE_MLA_TMA`, for KV blocks of 32 or 64 slots); mla_parts.py
+holds what the two share.
 
 Under torch.compile (the decode layers compiled inside the CUDA graphs) the two kernels are one
 opaque custom op, `torch.ops.latentserve.mla_decode`: Inductor neither traces the launch nor
