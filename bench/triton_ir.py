@@ -45,33 +45,33 @@ POINTERS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "
 UNSPECIALIZED = ("stride_bt", "scale")  # do_not_specialize, and a float
 
 
-def compile_split(block_n: int, warps: int, stages: int, write_kv: int, prefetch: bool, maxnreg: int | None = None):
-    """write_kv: the kernel's WRITE_KV (0: none, 1: the new row attended after the loop, 2: written first)."""
-    fn = mla_decode._mla_decode_split
+def _compile(fn, consts: dict, types: dict, warps: int, stages: int, maxnreg: int | None = None):
+    """fn compiled for sm_90 as a GPU launch specialises it: constexprs, the pointers' and other
+    arguments' types (`types` over POINTERS, i32 otherwise), 16-divisible non-constexpr arguments
+    except the unspecialized ones and tensor descriptors."""
     names = fn.arg_names
-    consts = dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=1,
-                  WRITE_KV=write_kv, IEEE=False, PDL=True, PREFETCH_BT=prefetch, ROPE=0)
-    sig = {n: "constexpr" if n in consts else "fp32" if n == "scale" else POINTERS.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and n not in UNSPECIALIZED}
+    types = {**POINTERS, **types}
+    sig = {n: "constexpr" if n in consts else "fp32" if n == "scale" else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and n not in UNSPECIALIZED and not sig[n].startswith("tensordesc")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
                                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
 
 
+def compile_split(block_n: int, warps: int, stages: int, write_kv: int, prefetch: bool, maxnreg: int | None = None):
+    """write_kv: the kernel's WRITE_KV (0: none, 1: the new row attended after the loop, 2: written first)."""
+    consts = dict(BLOCK_SIZE=16, D_LAT=512, D_PE=64, BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=block_n, NUM_SPLITS=1,
+                  WRITE_KV=write_kv, IEEE=False, PDL=True, PREFETCH_BT=prefetch, ROPE=0)
+    return _compile(mla_decode._mla_decode_split, consts, {}, warps, stages, maxnreg)
+
+
 def compile_tma(block_n: int, warps: int, stages: int, write_kv: int, block_size: int):
-    fn = mla_decode_tma._mla_decode_tma
-    names = fn.arg_names
     consts = dict(BLOCK_SIZE=block_size, D_LAT=512, D_PE=64, BLOCK_H=mla_decode.BLOCK_H, BLOCK_N=block_n,
                   NUM_SPLITS=1, WRITE_KV=write_kv, IEEE=False, PDL=True, ROPE=0, MAX_TILES=8192 // block_n)
     descs = {"lat_desc": f"tensordesc<bf16[{block_n},256]>", "pe_desc": f"tensordesc<bf16[{block_n},64]>"}
-    sig = {n: "constexpr" if n in consts else "fp32" if n == "scale" else descs.get(n, POINTERS.get(n, "i32"))
-           for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in consts and n not in UNSPECIALIZED and n not in descs}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
-                                    constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return _compile(mla_decode_tma._mla_decode_tma, consts, descs, warps, stages)
 
 
 def _tool(name: str) -> str:
