@@ -103,28 +103,38 @@ def test_launch_variants_match_reference(dtype, tol, write, heads):
     skip_interpreted_16bit_dot(dtype)
     lora, rope, block_size, batch = 64, 16, 16, 5
     q, kv, tables, ctx, ctx_list = case(11, batch, heads, lora, rope, block_size, dtype, 90)
-    scale = (lora + rope) ** -0.5
-    new = {}
-    if write:  # the last position of each context arrives as the step's new token
-        g = torch.Generator().manual_seed(3)
-        rows = torch.randn(batch, lora + rope, generator=g).to(DEVICE, dtype)
-        slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-                              for i, n in enumerate(ctx_list)]).to(DEVICE)
-        new = {"new_kv": rows, "new_slots": slots}
-    expected_kv = kv.clone()
-    if write:
-        expected_kv.view(-1, lora + rope)[new["new_slots"]] = new["new_kv"]
-    ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
+    new, expected_kv = new_tokens(kv, tables, ctx_list, dtype, seed=3) if write else ({}, kv.clone())
     # The last two: LATENTSERVE_MLA_SMALL_WARPS's 16-warp candidate at the few-program tile sizes.
     cfgs = [mla_decode.launch_config(64, heads), {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True},
             {**mla_decode.launch_config(1, heads), "BLOCK_N": 16},
             {**mla_decode.launch_config(1, heads), "num_warps": 16}, {**mla_decode.launch_config(8, heads), "num_warps": 16}]
+    check_launches(q, kv, tables, ctx, ctx_list, lora, tol, cfgs, new, expected_kv)
+
+
+def new_tokens(kv, tables, ctx_list, dtype, seed):
+    """The last position of each context as the step's new token: (the kernel's new_kv / new_slots
+    arguments, the cache as it must be after the call)."""
+    block_size, width = kv.shape[1], kv.shape[2]
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(len(ctx_list), width, generator=g).to(DEVICE, dtype)
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(ctx_list)]).to(DEVICE)
+    expected_kv = kv.clone()
+    expected_kv.view(-1, width)[slots] = rows
+    return {"new_kv": rows, "new_slots": slots}, expected_kv
+
+
+def check_launches(q, kv, tables, ctx, ctx_list, lora, tol, cfgs, new, expected_kv, label=""):
+    """Each launch shape in cfgs at 1, 4 and 16 splits against the float64 reference over
+    expected_kv, and the cache it leaves equal to expected_kv."""
+    scale = kv.shape[-1] ** -0.5
+    ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
     for cfg, splits in itertools.product(cfgs, (1, 4, 16)):
         cache = kv.clone()
         out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
         assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < tol, f"{cfg}, {splits} splits: relative error {err:.2e}"
+        assert err < tol, f"{label}{cfg}, {splits} splits: relative error {err:.2e}"
         assert torch.equal(cache.nan_to_num(), expected_kv.nan_to_num()), "the cache holds other rows than expected"
 
 
@@ -153,24 +163,9 @@ def test_tma_tiles_match_reference(dtype, tol, write):
     for block_size, block_n in ((32, 32), (64, 32), (64, 16)):
         q, kv, tables, ctx, ctx_list = case(block_size + block_n, batch, heads, lora, rope, block_size, dtype, 200)
         assert mla_decode_tma.supported(kv, lora, block_n)
-        scale = (lora + rope) ** -0.5
-        new, expected_kv = {}, kv.clone()
-        if write:
-            g = torch.Generator().manual_seed(5)
-            rows = torch.randn(batch, lora + rope, generator=g).to(DEVICE, dtype)
-            slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-                                  for i, n in enumerate(ctx_list)]).to(DEVICE)
-            new = {"new_kv": rows, "new_slots": slots}
-            expected_kv.view(-1, lora + rope)[slots] = rows
-        ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, lora, scale)
+        new, expected_kv = new_tokens(kv, tables, ctx_list, dtype, seed=5) if write else ({}, kv.clone())
         cfg = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3, "TMA": True}
-        for splits in (1, 4, 16):
-            cache = kv.clone()
-            out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
-            assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
-            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
-            assert err < tol, f"blocks of {block_size}, {cfg}, {splits} splits: relative error {err:.2e}"
-            assert torch.equal(cache.nan_to_num(), expected_kv.nan_to_num()), "the cache holds other rows than expected"
+        check_launches(q, kv, tables, ctx, ctx_list, lora, tol, [cfg], new, expected_kv, f"blocks of {block_size}, ")
     assert not mla_decode_tma.supported(torch.zeros(4, 16, lora + rope, dtype=dtype, device=DEVICE), lora, 32)
 
 
