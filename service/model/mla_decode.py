@@ -265,8 +265,8 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
               **(cfg or {})}
     grid = (b, -(-h // BLOCK_H), splits)
-    tma = (launch.pop("TMA", False) and mla_decode_tma.supported(kv_cache, kv_lora_rank, launch["BLOCK_N"])
-           and mla_decode_tma.max_tiles(block_tables, block_size, splits, launch["BLOCK_N"]) <= mla_decode_tma.MAX_TILES)
+    tma = launch.pop("TMA", False) and mla_decode_tma.plan(kv_cache, block_tables, kv_lora_rank, splits,
+                                                           launch["BLOCK_N"])
     write = new_kv is not None
     if write:
         if new_kv.shape != (b, d) or new_kv.dtype != kv_cache.dtype or new_slots is None or new_slots.shape != (b,):
@@ -280,9 +280,8 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     kernel, caches = _mla_decode_split, (kv_cache,)
     if tma:
         launch.pop("PREFETCH_BT", None)
-        kernel, caches = mla_decode_tma._mla_decode_tma, (
-            kv_cache, *mla_decode_tma.descriptors(kv_cache, kv_lora_rank, launch["BLOCK_N"]))
-        launch["MAX_TILES"] = mla_decode_tma.max_tiles(block_tables, block_size, splits, launch["BLOCK_N"])
+        kernel, caches = mla_decode_tma._mla_decode_tma, (kv_cache, *tma.pop("descriptors"))
+        launch.update(tma)
     kernel[grid](
         q_lat, q_pe, *caches, block_tables, context_lens, o, lse,
         new_kv if write else kv_cache, new_slots if write else context_lens, cos, sin,

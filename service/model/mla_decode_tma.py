@@ -170,6 +170,17 @@ if triton is not None:
         per_split = -(-block_tables.shape[1] * block_size // splits)
         return max(64, triton.next_power_of_2(-(-per_split // block_n)))
 
+    def plan(kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lora_rank: int, splits: int,
+             block_n: int) -> dict | None:
+        """The TMA kernel's extra launch arguments (its two descriptors, MAX_TILES), or None where the
+        cp.async kernel runs: a tile not inside one cache block, or more than MAX_TILES a split."""
+        if not supported(kv_cache, kv_lora_rank, block_n):
+            return None
+        tiles = max_tiles(block_tables, kv_cache.shape[1], splits, block_n)
+        if tiles > MAX_TILES:
+            return None
+        return {"descriptors": descriptors(kv_cache, kv_lora_rank, block_n), "MAX_TILES": tiles}
+
     def descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int) -> tuple:
         """The cache as [slots, width] rows, in tiles of block_n rows: a latent half, the rope columns."""
         nb, block_size, width = kv_cache.shape
