@@ -34,16 +34,17 @@ from service.model import mla_decode  # noqa: E402
 HEADS, LAT, PE, BLOCK = 16, 512, 64, 16
 
 
-def case(batch: int, context: int, write_kv: bool = False, shuffled: bool = True) -> tuple[list, int]:
+def case(batch: int, context: int, write_kv: bool = False, shuffled: bool = True,
+         block: int = BLOCK) -> tuple[list, int]:
     """Variants of (q, cache, block tables, context lens, new rows, their slots), each cache in
     shuffled blocks (a long-running server's) or in order (a fresh engine's, as bench/gpu.py's
     decode step). write_kv: each sequence's last position arrives as the step's new token, which
     the kernel writes and attends from registers, as the engine's decode step does."""
-    blocks = batch * -(-context // BLOCK)
-    nbytes = blocks * BLOCK * (LAT + PE) * 2
+    blocks = batch * -(-context // block)
+    nbytes = blocks * block * (LAT + PE) * 2
     out = []
     for _ in range(max(2, min(24, -(-L2_SAFE // nbytes)))):
-        cache = torch.randn(blocks, BLOCK, LAT + PE, device="cuda").to(torch.bfloat16)
+        cache = torch.randn(blocks, block, LAT + PE, device="cuda").to(torch.bfloat16)
         order = torch.randperm(blocks, device="cuda") if shuffled else torch.arange(blocks, device="cuda")
         tables = order.view(batch, -1).to(torch.int32)
         q = torch.randn(batch, HEADS, LAT + PE, device="cuda").to(torch.bfloat16)
@@ -52,7 +53,7 @@ def case(batch: int, context: int, write_kv: bool = False, shuffled: bool = True
         if write_kv:
             last = context - 1
             new_kv = torch.randn(batch, LAT + PE, device="cuda").to(torch.bfloat16)
-            new_slots = tables[:, last // BLOCK].long() * BLOCK + last % BLOCK
+            new_slots = tables[:, last // block].long() * block + last % block
         out.append((q, cache, tables, lens, new_kv, new_slots))
     return out, nbytes
 
@@ -71,7 +72,6 @@ def torch_path(v):
 
 
 def main() -> None:
-    global BLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--context", type=int, default=1024)
@@ -84,16 +84,15 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps the sweep tries (0: none)")
     ap.add_argument("--write-kv", action="store_true", help="the kernel writes and attends each sequence's new token")
     ap.add_argument("--in-order", action="store_true", help="blocks in order (a fresh engine's), not shuffled")
-    ap.add_argument("--block-size", type=int, default=16, help="KV cache block size (the engine's --block-size)")
+    ap.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size (the engine's --block-size)")
     ap.add_argument("--tma", action="store_true", help="the sweep's shapes on TMA tiles (mla_decode_tma.py)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    BLOCK = args.block_size
     bw = copy_bandwidth("cuda")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for b in args.batches:
-        variants, nbytes = case(b, args.context, args.write_kv, not args.in_order)
+        variants, nbytes = case(b, args.context, args.write_kv, not args.in_order, args.block_size)
         ref = run(variants[0], splits=1)
         t_ours = graph_seconds(run, variants)
         t_torch = graph_seconds(torch_path, variants[:2])
