@@ -34,7 +34,7 @@
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|mla_tma] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|mla_tma|mla_tma_kernel] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,7 +105,7 @@ if [ "$what" = serve_ab ]; then  # this tree's server against another export's (
   base=${3:?serve_ab needs the folder of the other export}
   for i in $(seq 1 "${AB_PAIRS:-2}"); do serve256 "base$i" "$base" ""; serve256 "this$i" . ""; done
 fi
-if [ "$what" = mla_tma ]; then  # MLA decode's TMA tiles (mla_decode_tma.py): standalone, then in the engine
+if [ "$what" = mla_tma ] || [ "$what" = mla_tma_kernel ]; then  # MLA decode's TMA tiles (mla_decode_tma.py): standalone, then in the engine (`mla_tma_kernel`: standalone only, for a short budget)
   # Run 99 timed the first version (a synchronous block-id load before each copy): 1.11x the cp.async
   # kernel standalone, 1.03-1.04x in the engine. This is the version with the split's ids in registers.
   for t in 0 1; do
@@ -116,10 +116,10 @@ if [ "$what" = mla_tma ]; then  # MLA decode's TMA tiles (mla_decode_tma.py): st
   # Registers hold it to 2 programs an SM; capped at 168 (3 an SM at 2 stages) it spills ~78 local
   # accesses a tile, compiled for sm_90 (bench/triton_ir.py): which way that goes only a GPU says.
   # At 8 warps: 193 registers, no spill, 403 instructions a tile, 1 program (8 warps) an SM.
-  timeout 150 python3 bench/mla_decode.py --batches 64 256 --write-kv --in-order --block-size 32 --sweep --tma \
+  [ "$(left)" -gt 20 ] && timeout "$(( $(left) > 150 ? 150 : $(left) ))" python3 bench/mla_decode.py --batches 64 256 --write-kv --in-order --block-size 32 --sweep --tma \
     --splits 1 4 --block-n 32 --warps 4 8 --stages 2 3 --maxnreg 0 168 > "$OUT/mla_tma_sweep.log" 2>&1
   echo "== mla TMA sweep rc=$?"; grep -o '"fastest.*' "$OUT/mla_tma_sweep.log" | cut -c1-700
-  BASELINES=${BASELINES:-kv_block_32,mla_tma,mla_tma_64} TESTS=${TESTS:-tests/gpu/test_mla_decode_kernel.py} what=goal
+  [ "$what" = mla_tma ] && BASELINES=${BASELINES:-kv_block_32,mla_tma,mla_tma_64} TESTS=${TESTS:-tests/gpu/test_mla_decode_kernel.py} what=goal
 fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
