@@ -107,7 +107,8 @@ if [ "$what" = serve_ab ]; then  # this tree's server against another export's (
 fi
 if [ "$what" = mla_tma ] || [ "$what" = mla_tma_kernel ]; then  # MLA decode's TMA tiles (mla_decode_tma.py): standalone, then in the engine (`mla_tma_kernel`: standalone only, for a short budget)
   # Run 99 timed the first version (a synchronous block-id load before each copy): 1.11x the cp.async
-  # kernel standalone, 1.03-1.04x in the engine. This is the version with the split's ids in registers.
+  # kernel standalone, 1.03-1.04x in the engine. Run 100-101, the split's ids in registers: 1.01x / 0.98x
+  # standalone at 64 / 256, the step 0.99-1.00x.
   for t in 0 1; do
     LATENTSERVE_MLA_TMA=$t timeout 60 python3 bench/mla_decode.py --batches 64 256 --write-kv --in-order \
       --block-size $((16 + 16 * t)) > "$OUT/mla_tma$t.log" 2>&1

@@ -98,7 +98,8 @@ def launch_config(batch: int, num_heads: int) -> dict:
     # tiles at 4 stages (3 buffers, 3 programs an SM) lost in the engine: batch 256 1.10x slower.
     # Tried and removed (run 43): 8 warps capped at 128 registers (2 programs of 8 warps an SM, no
     # spills) where ncu had found this one latency-bound: batch 64 1.05x, 256 1.12x slower.
-    # LATENTSERVE_MLA_TMA=1 (a candidate): these tiles by TMA copies (mla_decode_tma.py).
+    # LATENTSERVE_MLA_TMA=1: these tiles by TMA copies (mla_decode_tma.py); as fast, not faster
+    # (run 101, H100: the step 0.99-1.00x at every batch).
     return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "PREFETCH_BT": True,
             "TMA": os.environ.get("LATENTSERVE_MLA_TMA", "0") == "1"}
 
