@@ -78,16 +78,23 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def tile_loop(ptx: str) -> tuple[int, int, int]:
-    """(instructions, MMAs, local-memory accesses) of the shortest backward-branch loop holding a
-    tile's MMAs: the tile loop, not the mbarrier spin-waits around it."""
+def assemble(ptx: str, disassemble: bool = False) -> tuple[str, str | None]:
+    """ptx through Triton's own ptxas for sm_90a: (its -v report, and with disassemble the cubin's
+    SASS by Triton's nvdisasm)."""
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
+        path, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(path, "w") as f:
             f.write(ptx)
-        subprocess.run([_tool("ptxas"), "--gpu-name", "sm_90a", path, "-o", os.path.join(d, "k.cubin")], check=True)
-        sass = subprocess.run([_tool("nvdisasm"), "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True,
-                              check=True).stdout
+        report = subprocess.run([_tool("ptxas"), "-v", "--gpu-name", "sm_90a", path, "-o", cubin],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout if disassemble else None
+    return report, sass
+
+
+def tile_loop(sass: str) -> tuple[int, int, int]:
+    """(instructions, MMAs, local-memory accesses) of the shortest backward-branch loop holding a
+    tile's MMAs: the tile loop, not the mbarrier spin-waits around it."""
     at, label, ins = {}, None, []
     for line in sass.splitlines():
         m = re.match(r"\s*\.L_x_(\d+):", line)
@@ -109,18 +116,16 @@ def tile_loop(ptx: str) -> tuple[int, int, int]:
     return best
 
 
-def registers(ptx: str) -> tuple[int, int]:
-    """(registers a thread, spilled bytes) from ptxas -v, Triton's own ptxas."""
-    ptxas = _tool("ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        err = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", err).group(1))
-    spill = re.search(r"(\d+) bytes spill stores", err)
+def usage(report: str) -> tuple[int, int]:
+    """(registers a thread, spilled bytes) from a ptxas -v report."""
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    spill = re.search(r"(\d+) bytes spill stores", report)
     return regs, int(spill.group(1)) if spill else 0
+
+
+def registers(ptx: str) -> tuple[int, int]:
+    """(registers a thread, spilled bytes) of ptx, by Triton's own ptxas."""
+    return usage(assemble(ptx)[0])
 
 
 def programs_per_sm(regs: int, smem: int, warps: int) -> int:
@@ -147,8 +152,9 @@ def main() -> None:
         else:
             k = compile_split(bn, warps, stages, int(args.write_kv), pf, args.maxnreg)
             kv = re.search(r"memdesc<(\d+)x\d+x512x", k.asm["ttgir"])
-        regs, spill = registers(k.asm["ptx"])
-        n, mma, local = tile_loop(k.asm["ptx"])
+        report, sass = assemble(k.asm["ptx"], disassemble=True)
+        regs, spill = usage(report)
+        n, mma, local = tile_loop(sass)
         smem = k.metadata.shared
         print(f"{'TMA ' if args.tma else ''}BLOCK_N {bn:3d} warps {warps} stages {stages} prefetch {pf!s:5}: "
               f"shared {smem / 1024:6.1f} KB, KV buffers {kv.group(1) if kv else 0}, {regs} registers, {spill} B "

@@ -4,8 +4,8 @@ load, and the copies of the first tiles must be issued before the loop.
 
 Run 99 (H100, 2026-12-06) timed the first version at 1.11x the cp.async kernel: the next tile's
 block id was a scalar load that Triton's pipeline left synchronous, right before each copy. The
-TTGIR shows that shape, so this test reads it. Run with a Triton install (the CPU venv has none:
-PYTHONPATH=/tmp/tritonpath here); GPU machines have one."""
+TTGIR shows that shape, so this test reads it. It needs a Triton install (`pip install
+triton==3.6.0`, no GPU needed), which the CPU venv and CI lack: it skips there; GPU machines have one."""
 
 from __future__ import annotations
 
