@@ -34,7 +34,7 @@
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|mla_tma|mla_tma_kernel] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|goal_ncu|ncu_gemv|mla_tma|mla_tma_kernel] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -172,6 +172,29 @@ if [ "$what" = small_rows ]; then  # the two kernels furthest over their bytes a
     echo "== ncu mla batch $b rc=$?"
     grep -E "Duration|Elapsed Cycles|Registers Per|Eligible Warps|Warp Cycles Per Issued|DRAM Throughput|stalled" \
       "$OUT/ncu_mla_b$b.txt" | cut -c1-200 | head -12
+  done
+fi
+if [ "$what" = ncu_gemv ] || [ "$what" = goal_ncu ]; then  # where a GEMV of 8-64 rows spends ~6 us on ~1.3 us of weights
+  # Runs 39-40: at 64 rows our tiles and cuBLAS both take ~6 us for fused_qkv_a and o_proj, and
+  # split-K (a third of the x bytes from L2) was slower. ncu says which bound it is: L2 or DRAM
+  # throughput, the tensor pipe, or stalls. `goal_ncu`: the goal table first (one call's worth).
+  if [ "$what" = goal_ncu ]; then
+    timeout "$(( $(left) - 200 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
+      --batches 1,8,64,256 --profile-batches "" --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    echo "== goal rc=$?"; grep -E "copy bandwidth|decode batch|baseline|FLOOR INVALID" "$OUT/bench.log" | cut -c1-330
+  fi
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  for case in "o_proj 64 _gemv_kernel" "fused_qkv_a 64 _gemv_kernel" "o_proj 8 _gemv_kernel" "o_proj 64 regex:nvjet|gemm|sm90"; do
+    set -- $case
+    [ "$(left)" -lt 40 ] && break
+    tag="$1_$2_$( [ "$3" = _gemv_kernel ] && echo ours || echo cublas )"
+    timeout "$(( $(left) > 120 ? 110 : $(left) - 10 ))" "${ncu:-ncu}" --clock-control none --kernel-name "$3" \
+      --launch-skip 3 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+      python3 bench/gemv.py --rows "$2" --shapes "$1" --skip-experts > "$OUT/ncu_$tag.txt" 2>&1
+    echo "== ncu $tag rc=$?"
+    grep -E "^  [a-z_]|Duration|Elapsed Cycles|Memory Throughput|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\)|Registers Per|Grid Size|Eligible Warps|Warp Cycles Per Issued|Achieved Occupancy|Issue Slots Busy|Max Bandwidth" \
+      "$OUT/ncu_$tag.txt" | cut -c1-160 | head -24
   done
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
