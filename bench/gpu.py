@@ -442,13 +442,34 @@ def profile_replay(graphs, batch: int, layers: int, top: int = 14) -> dict:
     for e in events:
         counts[e.name] = counts.get(e.name, 0) + 1
         us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us()
+    exposed, idle_us = critical_path(events)
     return {"batch": batch, "kernels": len(events), "kernels_per_layer": len(events) / layers,
-            "device_ms": kernel_us / 1e3, "table": table, "kernel_counts": counts, "kernel_us": us}
+            "device_ms": kernel_us / 1e3, "table": table, "kernel_counts": counts, "kernel_us": us,
+            "exposed_us": exposed, "idle_us": idle_us}
 
 
-def per_layer_table(prof: dict, layers: int, top: int = 14) -> str:
-    """us a layer and us a launch of each kernel (the step's total over the layers), largest first."""
-    us, counts = prof["kernel_us"], prof["kernel_counts"]
+def critical_path(events) -> tuple[dict[str, float], float]:
+    """Under PDL a kernel starts before the one ahead of it ends, so profiled durations overlap
+    and do not add up to the step. A kernel's exposed time is how far it moved the step's end:
+    from the latest end of the kernels started before it (or its own start, after an idle gap)
+    to its own end. Exposed times and idle gaps sum to the replay's span, so they say what each
+    kernel costs the step with PDL on: (us by kernel name, idle us)."""
+    exposed: dict[str, float] = {}
+    frontier, idle = None, 0.0
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, end = e.time_range.start, e.time_range.end
+        if frontier is not None and start > frontier:
+            idle += start - frontier
+        base = start if frontier is None else max(frontier, start)
+        exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, end - base)
+        frontier = end if frontier is None else max(frontier, end)
+    return exposed, idle
+
+
+def per_layer_table(prof: dict, layers: int, top: int = 14, key: str = "kernel_us") -> str:
+    """us a layer and us a launch of each kernel (the step's total over the layers), largest first;
+    key="exposed_us": what each costs the step under PDL (`critical_path`)."""
+    us, counts = prof[key], prof["kernel_counts"]
     rows = [f"  {name[:62]:62s} {t / layers:8.1f} us/layer {t / counts[name]:8.1f} us x {counts[name]}"
             for name, t in sorted(us.items(), key=lambda kv: -kv[1])[:top]]
     return "\n".join(rows)
@@ -629,6 +650,9 @@ def bench_decode(args, bw: float) -> LLM:
                     print(f"graph replay, batch {batch}: {prof['kernels']} kernels "
                           f"({prof['kernels_per_layer']:.1f} per layer), {prof['device_ms']:.2f} ms of device "
                           f"time\n{prof['table']}", flush=True)
+                    print(f"exposed under PDL, batch {batch}: {sum(prof['exposed_us'].values()) / 1e3:.3f} ms of "
+                          f"kernels, {prof['idle_us'] / 1e3:.3f} ms idle\n"
+                          f"{per_layer_table(prof, layers, key='exposed_us')}", flush=True)
             with eager(worker):
                 row["eager_ms"] = timed(partial(worker.execute, plan), args.device, max(3, args.iters // 5)) * 1e3
         best = row.get("graph_ms", row["eager_ms"])

@@ -180,8 +180,10 @@ if [ "$what" = ncu_gemv ] || [ "$what" = goal_ncu ]; then  # where a GEMV of 8-6
   # throughput, the tensor pipe, or stalls. `goal_ncu`: the goal table first (one call's worth).
   if [ "$what" = goal_ncu ]; then
     timeout "$(( $(left) - 200 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
-      --batches 1,8,64,256 --profile-batches "" --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+      --batches 1,8,64,256 --profile-batches 1,8,64,256 --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" \
+      > "$OUT/bench.log" 2>&1
     echo "== goal rc=$?"; grep -E "copy bandwidth|decode batch|baseline|FLOOR INVALID" "$OUT/bench.log" | cut -c1-330
+    grep -A 15 "^exposed under PDL" "$OUT/bench.log" | cut -c1-120  # what each kernel costs the step with PDL on
   fi
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   for case in "o_proj 64 _gemv_kernel" "fused_qkv_a 64 _gemv_kernel" "o_proj 8 _gemv_kernel" "o_proj 64 regex:nvjet|gemm|sm90"; do
