@@ -320,9 +320,15 @@ if triton is not None:
             return {"BLOCK_N": 32, "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))), "num_warps": 4,
                     "num_stages": 3 if bm > 16 else 4, "DOT": True}
         bk = max(16, min(dot_max_k() if bm == 16 else 256, triton.next_power_of_2(k)))
-        while bk > 32 and (bm + bn) * bk * itemsize > 40 * 1024:
+        while bk > 32 and (bm + bn) * bk * itemsize > dot_stage_kb() * 1024:
             bk //= 2
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4, "DOT": True}
+
+    def dot_stage_kb() -> int:
+        """KB of shared memory a stage of the tensor-core tiles may take (LATENTSERVE_GEMV_DOT_STAGE_KB).
+        20 is a candidate (`gemv_stage_20`, untimed): a 64-row program then holds ~100 KB, not 200, so
+        under PDL the next kernel's programs fit on the SM beside it and start early."""
+        return int(os.environ.get("LATENTSERVE_GEMV_DOT_STAGE_KB", "40"))
 
     def dot_max_k() -> int:
         """K step of 2-16 rows' 16 x 16 tiles (LATENTSERVE_GEMV_DOT_MAX_K, a candidate; 256 the
