@@ -129,7 +129,8 @@ if [ "$what" = gemv_l2_prefetch ]; then  # the GEMV's weight slice asked of L2 b
       --shapes fused_qkv_a q_b o_proj shared_down > "$OUT/gemv_prefetch$t.log" 2>&1
     echo "== gemv standalone, L2 prefetch $t rc=$?"; grep -o '"name.*"ours_of_copy_bw": [0-9.]*' "$OUT/gemv_prefetch$t.log" | cut -c1-200
   done
-  BASELINES=${BASELINES:-same_build,gemv_l2_prefetch} TESTS=${TESTS:-tests/gpu/test_gemv.py} what=goal
+  BASELINES=${BASELINES:-same_build,gemv_l2_prefetch,entry_l2_prefetch,absorb_l2_prefetch} what=goal
+  TESTS=${TESTS:-"tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_mla_absorb.py -k prefetch"}
 fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \

@@ -362,11 +362,11 @@ if triton is not None:
             bn2, bk2 = block_of(wb, scale2)
             fp8 = {"FP8_2": True, "BN2": bn2, "BK2": bk2, "SUB2": min(bk2, cfg["BLOCK_K"])}
         s2 = scale2 if scale2 is not None else x2  # unread without FP8_2
+        cfg["PREFETCH_K"] = triton.next_power_of_2(k) if cfg["DOT"] and pdl.l2_prefetch(x2.device) else 0
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
             wb.stride(0), g, float(eps), s2, s2.stride(0), BLOCK_M=block_m, PAIR=pair is not None,
-            IEEE=weight.dtype == torch.float32, NORM=norm is not None, SLOTS=slots, **fp8, **cfg,
-            PREFETCH_K=triton.next_power_of_2(k) if cfg["DOT"] and pdl.l2_prefetch(x2.device) else 0, **pdl.launch(x2.device))
+            IEEE=weight.dtype == torch.float32, NORM=norm is not None, SLOTS=slots, **fp8, **cfg, **pdl.launch(x2.device))
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""

@@ -46,12 +46,13 @@ def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def l2_prefetch(device: torch.device) -> bool:
-    """LATENTSERVE_GEMV_L2_PREFETCH=1 (`gemv_l2_prefetch`, untimed): the GEMV's tensor-core tiles ask
-    L2 for their whole weight slice before the wait (`prefetch_l2`) and peel no first step. Peeled
-    (run 103's TTGIR for sm_90, 64 rows), its x load and product came before the pipeline's first
-    copies: two memory latencies in a row where one would do. With PDL only: nothing runs ahead else."""
-    return enabled(device) and os.environ.get("LATENTSERVE_GEMV_L2_PREFETCH", "0") == "1"
+def l2_prefetch(device: torch.device, switch: str = "LATENTSERVE_GEMV_L2_PREFETCH") -> bool:
+    """switch=1 (the GEMV's, the MoE entry's or the MLA absorb kernel's; the bench's `gemv_l2_prefetch`,
+    `entry_l2_prefetch`, `absorb_l2_prefetch`; untimed): the kernel's tensor-core tiles ask L2 for
+    their whole weight slice before the wait (`prefetch_l2`) and peel no first K step. Peeled (run
+    103's TTGIR for sm_90, the 64-row GEMV), that step's x load and product came before the software
+    pipeline's first copies: two memory latencies in a row where one would do. With PDL only."""
+    return enabled(device) and os.environ.get(switch, "0") == "1"
 
 
 def inductor_options(device: torch.device) -> dict:
