@@ -125,11 +125,11 @@ fi
 if [ "$what" = gemv_l2_prefetch ]; then  # the GEMV's weight slice asked of L2 before the PDL wait (pdl.l2_prefetch)
   # Standalone (back-to-back launches in a graph, so PDL overlaps them as in a step), then in the engine with its test.
   for t in 0 1; do
-    LATENTSERVE_GEMV_L2_PREFETCH=$t timeout 90 python3 bench/gemv.py --rows 8 64 --skip-experts \
+    LATENTSERVE_GEMV_L2_PREFETCH=$t timeout 60 python3 bench/gemv.py --rows 8 64 --skip-experts \
       --shapes fused_qkv_a q_b o_proj shared_down > "$OUT/gemv_prefetch$t.log" 2>&1
     echo "== gemv standalone, L2 prefetch $t rc=$?"; grep -o '"name.*"ours_of_copy_bw": [0-9.]*' "$OUT/gemv_prefetch$t.log" | cut -c1-200
   done
-  BASELINES=${BASELINES:-same_build,gemv_l2_prefetch,entry_l2_prefetch,absorb_l2_prefetch} what=goal
+  BASELINES=${BASELINES:-gemv_l2_prefetch,entry_l2_prefetch,absorb_l2_prefetch} what=goal  # each is the others' noise reference
   TESTS=${TESTS:-"tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_mla_absorb.py -k prefetch"}
 fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
