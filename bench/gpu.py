@@ -589,13 +589,6 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # 2-16 rows' tensor-core tiles in 512-wide K steps (gemv.dot_max_k): twice the weight
              # bytes in flight an SM; predicted 0.98-0.99x at batch 8, nothing at 1, 64 or 256.
              "gemv_dot_k512": {"LATENTSERVE_GEMV_DOT_MAX_K": "512"},
-             # Candidate: the GEMV's tensor-core tiles ask L2 for their whole weight slice before the PDL
-             # wait and peel no first step (pdl.l2_prefetch). Predicted 0.98-0.99x at batch 8 and 64,
-             # nothing at 1 (the register product) or 256 (cuBLAS).
-             "gemv_l2_prefetch": {"LATENTSERVE_GEMV_L2_PREFETCH": "1"},
-             # The same for the MoE entry's rows (2-256) and W_UV's absorb kernel; predicted 0.99x at 8-256.
-             "entry_l2_prefetch": {"LATENTSERVE_MOE_ENTRY_L2_PREFETCH": "1"},
-             "absorb_l2_prefetch": {"LATENTSERVE_MLA_ABSORB_L2_PREFETCH": "1"},
              # 16-row tensor-core tiles for wide outputs too (gemv.dot_config before run 41).
              "gemv_narrow_tiles": {"LATENTSERVE_GEMV_WIDE_TILES": "0"},
              # The four decode changes of 2026-12-03's last session off at once (their sum).

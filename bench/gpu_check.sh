@@ -34,7 +34,7 @@
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|goal_ncu|ncu_gemv|gemv_l2_prefetch|mla_tma|mla_tma_kernel] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|goal_ncu|ncu_gemv|mla_tma|mla_tma_kernel] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -122,16 +122,6 @@ if [ "$what" = mla_tma ] || [ "$what" = mla_tma_kernel ]; then  # MLA decode's T
   echo "== mla TMA sweep rc=$?"; grep -o '"fastest.*' "$OUT/mla_tma_sweep.log" | cut -c1-700
   [ "$what" = mla_tma ] && BASELINES=${BASELINES:-kv_block_32,mla_tma,mla_tma_64} TESTS=${TESTS:-tests/gpu/test_mla_decode_kernel.py} what=goal
 fi
-if [ "$what" = gemv_l2_prefetch ]; then  # the GEMV's weight slice asked of L2 before the PDL wait (pdl.l2_prefetch)
-  # Standalone (back-to-back launches in a graph, so PDL overlaps them as in a step), then in the engine with its test.
-  for t in 0 1; do
-    LATENTSERVE_GEMV_L2_PREFETCH=$t timeout 60 python3 bench/gemv.py --rows 8 64 --skip-experts \
-      --shapes fused_qkv_a q_b o_proj shared_down > "$OUT/gemv_prefetch$t.log" 2>&1
-    echo "== gemv standalone, L2 prefetch $t rc=$?"; grep -o '"name.*"ours_of_copy_bw": [0-9.]*' "$OUT/gemv_prefetch$t.log" | cut -c1-200
-  done
-  BASELINES=${BASELINES:-gemv_l2_prefetch,entry_l2_prefetch,absorb_l2_prefetch} what=goal  # each is the others' noise reference
-  TESTS=${TESTS:-"tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_mla_absorb.py -k prefetch"}
-fi
 if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
     --batches 1,8,64,256 --profile-batches "" --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
@@ -200,7 +190,8 @@ if [ "$what" = ncu_gemv ] || [ "$what" = goal_ncu ]; then  # where a GEMV of 8-6
     set -- $case
     [ "$(left)" -lt 40 ] && break
     tag="$1_$2_$( [ "$3" = _gemv_kernel ] && echo ours || echo cublas )"
-    timeout "$(( $(left) > 120 ? 110 : $(left) - 10 ))" "${ncu:-ncu}" --clock-control none --kernel-name "$3" \
+    # Run 103 flushed L2 before each kernel (ncu's default), so x came from DRAM: warm L2 since, as in a step.
+    timeout "$(( $(left) > 120 ? 110 : $(left) - 10 ))" "${ncu:-ncu}" --clock-control none --cache-control none --kernel-name "$3" \
       --launch-skip 3 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
       python3 bench/gemv.py --rows "$2" --shapes "$1" --skip-experts > "$OUT/ncu_$tag.txt" 2>&1

@@ -211,26 +211,22 @@ if triton is not None:
     @triton.jit
     def _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr, g_ptr=None, eps=0.0, NORM: tl.constexpr = False, SLOTS: tl.constexpr = 0,
-                    PREFETCH_K: tl.constexpr = 0):
-        """x[m] @ w[n]^T in fp32 (NORM: RMS-normed x[m] with weight g; SLOTS: `_x_rows`). The first weight
-        tile is requested before the PDL wait (no kernel of the step writes weights), so under PDL that load
-        overlaps the previous kernel's tail; with PREFETCH_K (`pdl.l2_prefetch`) L2 is asked for all of them."""
+                    PDL: tl.constexpr, g_ptr=None, eps=0.0, NORM: tl.constexpr = False, SLOTS: tl.constexpr = 0):
+        """x[m] @ w[n]^T in fp32 (NORM: RMS-normed x[m] with weight g; SLOTS: `_x_rows`). The
+        first weight tile is requested before the PDL wait: no kernel of the step writes weights,
+        so under PDL that load overlaps the previous kernel's tail, and only the activation loads
+        wait for it."""
         k = tl.arange(0, BLOCK_K)
-        if PREFETCH_K:
-            pdl.prefetch_l2(w_ptr, n, nmask, K, stride_w, PREFETCH_K)
-        else:
-            w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
-                         mask=nmask[:, None] & (k < K)[None, :], other=0.0)
+        w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & (k < K)[None, :],
+                     other=0.0)
         pdl.enter(PDL)
         inv_rms = None
         if NORM:
             inv_rms = _inv_rms(x_ptr, m, mmask, K, stride_x, eps, g_ptr, BLOCK_K, SLOTS)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if not PREFETCH_K:
-            acc = _product(acc, _x_tile(x_ptr, m, k, mmask, k < K, stride_x, inv_rms, g_ptr, NORM, SLOTS), w0, DOT, IEEE)
-        return _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, 0 if PREFETCH_K else BLOCK_K, K, stride_x, stride_w,
-                           BLOCK_K, DOT, IEEE, inv_rms, g_ptr, NORM, SLOTS)
+        xv = _x_tile(x_ptr, m, k, mmask, k < K, stride_x, inv_rms, g_ptr, NORM, SLOTS)
+        acc = _product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, w0, DOT, IEEE)
+        return _accumulate(acc, x_ptr, w_ptr, m, n, mmask, nmask, BLOCK_K, K, stride_x, stride_w, BLOCK_K, DOT, IEEE,
+                           inv_rms, g_ptr, NORM, SLOTS)
 
     # M only masks rows: specialized (== 1, % 16), each class of a mixed step's row count would
     # be a compile of its own inside a served step (TP > 1 runs those steps eagerly).
@@ -239,8 +235,7 @@ if triton is not None:
                      stride_w2, g_ptr, eps, s2_ptr, stride_s2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, NORM: tl.constexpr, SLOTS: tl.constexpr, FP8_2: tl.constexpr = False,
-                     BN2: tl.constexpr = 1, BK2: tl.constexpr = 1, SUB2: tl.constexpr = 1,
-                     PREFETCH_K: tl.constexpr = 0):
+                     BN2: tl.constexpr = 1, BK2: tl.constexpr = 1, SUB2: tl.constexpr = 1):
         """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum); NORM: x
         RMS-normed with weight g first; SLOTS: x's rows are sums of SLOTS fp32 rows (`_x_rows`);
         FP8_2: w2 is FP8 with block scales s2 (an FP8 model's shared down-projection)."""
@@ -249,7 +244,7 @@ if triton is not None:
         nmask = n < N
         mmask = m < M
         acc = _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
-                          IEEE, PDL, g_ptr, eps, NORM, SLOTS, PREFETCH_K)
+                          IEEE, PDL, g_ptr, eps, NORM, SLOTS)
         if PAIR:
             acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE,
                               s_ptr=s2_ptr, stride_s=stride_s2, SCALED=FP8_2, BN=BN2, BK=BK2, SUB=SUB2)
@@ -362,7 +357,6 @@ if triton is not None:
             bn2, bk2 = block_of(wb, scale2)
             fp8 = {"FP8_2": True, "BN2": bn2, "BK2": bk2, "SUB2": min(bk2, cfg["BLOCK_K"])}
         s2 = scale2 if scale2 is not None else x2  # unread without FP8_2
-        cfg["PREFETCH_K"] = triton.next_power_of_2(k) if cfg["DOT"] and pdl.l2_prefetch(x2.device) else 0
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
             wb.stride(0), g, float(eps), s2, s2.stride(0), BLOCK_M=block_m, PAIR=pair is not None,

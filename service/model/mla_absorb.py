@@ -104,14 +104,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["B"])
     def _per_head_kernel(x_ptr, w_ptr, out_ptr, gate_ptr, B, K, J, stride_xb, stride_xh, stride_wh, stride_wk,
                          stride_wj, stride_ob, stride_oh, stride_gb, IEEE: tl.constexpr, BLOCK_B: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False,
-                         PREFETCH_K: tl.constexpr = 0):
+                         BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr, GATE: tl.constexpr = False):
         """Program (block of sequences, head, block of outputs): out[rows, h, j] = x[rows, h] (rounded
         to the weight's dtype) @ w[h][:, j], any strides on w's two matrix dims, so W_UK [H, nope,
         lora] and W_UV [H, v, lora] (read transposed) both serve. The weight's first K step is
         loaded before the PDL wait (as in gemv.py). GATE: times sigmoid(gate) (out's layout, its own row stride),
-        each factor rounded to out's dtype first, as Kimi's output gate multiplies them in torch.
-        PREFETCH_K (W_UV's contiguous K, `pdl.l2_prefetch`): L2 is asked for the slice, no step peeled."""
+        each factor rounded to out's dtype first, as Kimi's output gate multiplies them in torch."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         h = tl.program_id(1).to(tl.int64)
         j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -120,19 +118,14 @@ if triton is not None:
         x_rows = x_ptr + rows[:, None] * stride_xb + h * stride_xh
         w_cols = w_ptr + h * stride_wh + j[None, :] * stride_wj
         k = tl.arange(0, BLOCK_K)
-        if PREFETCH_K:
-            pdl.prefetch_l2(w_ptr + h * stride_wh, j, jmask, K, stride_wj, PREFETCH_K)
-            pdl.enter(PDL)
-            acc = tl.zeros([BLOCK_B, BLOCK_J], tl.float32)
+        w0 = tl.load(w_cols + k[:, None] * stride_wk, mask=(k < K)[:, None] & jmask[None, :], other=0.0)
+        pdl.enter(PDL)
+        x0 = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0).to(dtype)
+        if IEEE:
+            acc = tl.dot(x0, w0, input_precision="ieee")
         else:
-            w0 = tl.load(w_cols + k[:, None] * stride_wk, mask=(k < K)[:, None] & jmask[None, :], other=0.0)
-            pdl.enter(PDL)
-            x0 = tl.load(x_rows + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0).to(dtype)
-            if IEEE:
-                acc = tl.dot(x0, w0, input_precision="ieee")
-            else:
-                acc = tl.dot(x0, w0)
-        for k0 in range(0 if PREFETCH_K else BLOCK_K, K, BLOCK_K):
+            acc = tl.dot(x0, w0)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             xv = tl.load(x_rows + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(dtype)
@@ -150,7 +143,7 @@ if triton is not None:
         tl.store(out_ptr + at, y, mask=rmask[:, None] & jmask[None, :])
 
     def _per_head(x: torch.Tensor, w: torch.Tensor, k_dim: int, out: torch.Tensor, stride_ob: int, stride_oh: int,
-                  block_j: int, gate: torch.Tensor | None = None, prefetch: bool = False) -> torch.Tensor:
+                  block_j: int, gate: torch.Tensor | None = None) -> torch.Tensor:
         """out rows of x [B, H, K] against each head's w[h] with its K dim `k_dim` (1 or 2)."""
         b, h, k = x.shape
         j_dim = 3 - k_dim
@@ -163,8 +156,8 @@ if triton is not None:
         _per_head_kernel[(triton.cdiv(b, bb), h, triton.cdiv(w.shape[j_dim], block_j))](
             x, w, out, gate if gate is not None else out, b, k, w.shape[j_dim], x.stride(0), x.stride(1), w.stride(0),
             w.stride(k_dim), w.stride(j_dim), stride_ob, stride_oh, gate.stride(0) if gate is not None else 0,
-            IEEE=w.dtype == torch.float32, BLOCK_B=bb, BLOCK_K=block_k, BLOCK_J=block_j, GATE=gate is not None,
-            PREFETCH_K=triton.next_power_of_2(k) if prefetch and w.stride(k_dim) == 1 else 0, num_warps=4, num_stages=2,
+            IEEE=w.dtype == torch.float32, BLOCK_B=bb,
+            BLOCK_K=block_k, BLOCK_J=block_j, GATE=gate is not None, num_warps=4, num_stages=2,
             **pdl.launch(x.device))
         return out
 
@@ -178,8 +171,7 @@ if triton is not None:
         if gate is not None and (gate.shape != out.shape or gate.stride(-1) != 1):
             raise ValueError(f"output gate {tuple(gate.shape)} {gate.stride()} is not laid out as o_proj's rows "
                              f"{tuple(out.shape)}")
-        prefetch = pdl.l2_prefetch(o.device, "LATENTSERVE_MLA_ABSORB_L2_PREFETCH")
-        return _per_head(o, w, 2, out, out.stride(0), v, 32, gate, prefetch)
+        return _per_head(o, w, 2, out, out.stride(0), v, 32, gate)
 
     @torch.library.custom_op("latentserve::mla_absorb_q", mutates_args=())
     def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -158,16 +158,14 @@ if triton is not None:
                            shared_s_ptr, M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, stride_ds, stride_ss,
                            beta, linear_beta, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                           FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-                           PREFETCH_K: tl.constexpr = 0):
+                           FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
         """`_entry_kernel` from 2 rows: programs split the three weights' rows between them and
         multiply a block of rows (padded to a 16 or 64-row tile) on tensor cores, as gemv.py's
         tiles do; the shared experts' gate and up tiles share one pass, the activation in the
         epilogue. Row blocks are the grid's first axis, so the blocks reading one weight tile
         run side by side and all but the first find it in L2. Outputs are row-major [M, L],
         [M, INTER], [M, E]. FP8: each weight tile scaled in fp32 and rounded to x's dtype for the
-        dot, as the FP8 GEMV's tiles (fp8.rows_times). PREFETCH_K (bf16, `pdl.l2_prefetch`): each
-        program asks L2 for its weight rows before the PDL wait and peels no first K step."""
+        dot, as the FP8 GEMV's tiles (fp8.rows_times)."""
         pid = tl.program_id(1)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
@@ -181,7 +179,7 @@ if triton is not None:
                                      BN, BK, BLOCK_M, BLOCK_N, BLOCK_K, SUB, PDL)
             else:
                 acc = gemv._rows_times(x_ptr, down_ptr, m, n, mmask, n < L, K, stride_x, stride_d, BLOCK_M, BLOCK_N,
-                                       BLOCK_K, True, IEEE, PDL, PREFETCH_K=PREFETCH_K)
+                                       BLOCK_K, True, IEEE, PDL)
             tl.store(latent_ptr + m[:, None] * L + n[None, :], acc.to(dtype), mask=mmask[:, None] & (n < L)[None, :])
         elif pid < p_down + p_shared:
             n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -190,23 +188,15 @@ if triton is not None:
             k = tl.arange(0, BLOCK_K)
             wmask = nmask[:, None] & (k < K)[None, :]
             kblocks = tl.cdiv(K, BK)
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            if PREFETCH_K:
-                pdl.prefetch_l2(shared_ptr, n, nmask, K, stride_s, PREFETCH_K)
-                pdl.prefetch_l2(shared_ptr + INTER * stride_s, n, nmask, K, stride_s, PREFETCH_K)
-                pdl.enter(PDL)
-            else:
-                g = _tile(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, 0, stride_ss, kblocks,
-                          nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
-                u = _tile(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n,
-                          0, stride_ss, kblocks, nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
-                pdl.enter(PDL)
-                xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :],
-                             other=0.0)
-                acc_g = gemv._product(acc_g, xv, g, True, IEEE)
-                acc_u = gemv._product(acc_u, xv, u, True, IEEE)
-            for k0 in range(0 if PREFETCH_K else BLOCK_K, K, BLOCK_K):
+            g = _tile(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, 0, stride_ss, kblocks, nmask,
+                      dtype, FP8, BN, BK, BLOCK_K, SUB)
+            u = _tile(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n, 0,
+                      stride_ss, kblocks, nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
+            pdl.enter(PDL)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+            acc_g = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, g, True, IEEE)
+            acc_u = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, u, True, IEEE)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < K
                 wmask = nmask[:, None] & kmask[None, :]
@@ -223,7 +213,7 @@ if triton is not None:
         else:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = gemv._rows_times(x_ptr, router_ptr, m, n, mmask, n < E, K, stride_x, stride_r, BLOCK_M, BLOCK_N, BLOCK_K,
-                                   True, IEEE, PDL, PREFETCH_K=PREFETCH_K)
+                                   True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
 
     def _rows_launch(bm: int, k: int, weight_bytes: int) -> dict:
@@ -264,8 +254,7 @@ if triton is not None:
                 x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides, float(beta),
                 float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm,
                 IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), **launch,
-                PREFETCH_K=triton.next_power_of_2(k) if not is_fp8 and pdl.l2_prefetch(
-                    x.device, "LATENTSERVE_MOE_ENTRY_L2_PREFETCH") else 0, **pdl.launch(x.device))
+                **pdl.launch(x.device))
             return latent, h, logits
         # As the one-row GEMV since run 39, each program's whole K slice (up to 2048) in one step,
         # all of it requested before the PDL wait (sm_90: 170 registers, no spills): batch 1 0.99x

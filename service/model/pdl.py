@@ -46,15 +46,6 @@ def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def l2_prefetch(device: torch.device, switch: str = "LATENTSERVE_GEMV_L2_PREFETCH") -> bool:
-    """switch=1 (the GEMV's, the MoE entry's or the MLA absorb kernel's; the bench's `gemv_l2_prefetch`,
-    `entry_l2_prefetch`, `absorb_l2_prefetch`; untimed): the kernel's tensor-core tiles ask L2 for
-    their whole weight slice before the wait (`prefetch_l2`) and peel no first K step. Peeled (run
-    103's TTGIR for sm_90, the 64-row GEMV), that step's x load and product came before the software
-    pipeline's first copies: two memory latencies in a row where one would do. With PDL only."""
-    return enabled(device) and os.environ.get(switch, "0") == "1"
-
-
 def inductor_options(device: torch.device) -> dict:
     """torch.compile keywords that give Inductor's kernels PDL where ours have it ({} otherwise,
     and on a torch without the option)."""
@@ -79,11 +70,3 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_l2(w_ptr, n, nmask, K, stride_w, K_PAD: tl.constexpr):
-        """Asks L2 for rows n of w (K_PAD >= K columns of 2 bytes, one request a 128-byte line),
-        holding no register for them; rows outside nmask ask for row 0."""
-        cols = tl.arange(0, K_PAD // 64) * 64
-        lines = w_ptr + tl.where(nmask, n, 0)[:, None].to(tl.int64) * stride_w + tl.where(cols < K, cols, 0)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [lines], dtype=tl.int32, is_pure=False, pack=1)

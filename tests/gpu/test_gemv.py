@@ -15,7 +15,7 @@ from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device, s
 
 require_kernel_device()
 
-from service.model import gemv, layers, pdl  # noqa: E402
+from service.model import gemv, layers  # noqa: E402
 from service.weights import fp8 as fmt  # noqa: E402
 
 pytestmark = kernel_marks(300)
@@ -154,28 +154,6 @@ def test_dot_tiles_in_512_wide_k_steps(m, monkeypatch):
     torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=tol * 4, rtol=tol)
     y = torch.ops.latentserve.gemv_pair(x2, w[:, :768].contiguous(), x2, w2)
     ref = x2.double() @ w[:, :768].double().t() + x2.double() @ w2.double().t()
-    torch.testing.assert_close(y.double(), ref, atol=tol * 4, rtol=tol)
-
-
-@pytest.mark.parametrize("m", [2, 8, 40, 64])
-@pytest.mark.parametrize("n,k", [(1344, 2048), (3072, 768), (100, 96)])
-def test_l2_prefetch_tiles_match_the_peeled_ones(n, k, m, monkeypatch):
-    """LATENTSERVE_GEMV_L2_PREFETCH=1 (bench/gpu.py's `gemv_l2_prefetch`): the tensor-core tiles ask
-    L2 for their weight slice before the PDL wait and start the pipeline at K step 0. Alone and
-    paired, bf16, against the reference; the prefetch acts only under PDL, so GPU only."""
-    if INTERPRET or not pdl.enabled(torch.device(DEVICE)):
-        pytest.skip("the prefetch runs ahead of a PDL wait: sm_90 and later")
-    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "64")
-    monkeypatch.setenv("LATENTSERVE_GEMV_L2_PREFETCH", "1")
-    g = torch.Generator().manual_seed(n + k + m)
-    x, x2 = (torch.randn(m, kk, generator=g).to(DEVICE, torch.bfloat16) for kk in (k, 768))
-    w, w2 = ((torch.randn(n, kk, generator=g) / kk ** 0.5).to(DEVICE, torch.bfloat16) for kk in (k, 768))
-    tol = 2 ** -7
-    y = torch.ops.latentserve.gemv(x, w)
-    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=tol * 4, rtol=tol)
-    assert torch.equal(y, torch.ops.latentserve.gemv(x, w))  # deterministic
-    y = torch.ops.latentserve.gemv_pair(x, w, x2, w2)
-    ref = x.double() @ w.double().t() + x2.double() @ w2.double().t()
     torch.testing.assert_close(y.double(), ref, atol=tol * 4, rtol=tol)
 
 

@@ -15,7 +15,7 @@ require_kernel_device()
 
 from test_mla_decode_kernel import case  # noqa: E402
 
-from service.model import mla_absorb, mla_decode, mla_merge, pdl  # noqa: E402
+from service.model import mla_absorb, mla_decode, mla_merge  # noqa: E402
 
 pytestmark = kernel_marks(300)
 DTYPES = [(torch.float32, 1e-5)] + ([] if INTERPRET else [(torch.bfloat16, 1e-2)])
@@ -87,16 +87,6 @@ def check_both_at_deepseek_dims(batch: int, heads: int, dtype, tol: float) -> No
     for got, ref in zip((q_lat, out), refs):
         err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < tol, f"relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("batch", [1, 5, 40, 64, 256])
-def test_absorb_out_with_the_l2_prefetch(monkeypatch, batch):
-    """LATENTSERVE_MLA_ABSORB_L2_PREFETCH=1 (bench/gpu.py's `absorb_l2_prefetch`): W_UV's kernel asks
-    L2 for its slice before the PDL wait and starts at K step 0; bf16, under PDL only (GPU)."""
-    if INTERPRET or not pdl.enabled(torch.device(DEVICE)):
-        pytest.skip("the prefetch runs ahead of a PDL wait: sm_90 and later")
-    monkeypatch.setenv("LATENTSERVE_MLA_ABSORB_L2_PREFETCH", "1")
-    check_both_at_deepseek_dims(batch, 16, torch.bfloat16, 1e-2)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)

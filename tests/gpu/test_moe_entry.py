@@ -17,7 +17,7 @@ from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device, s
 require_kernel_device()
 
 from service.config import PRESETS  # noqa: E402
-from service.model import layers, moe_entry, pdl  # noqa: E402
+from service.model import layers, moe_entry  # noqa: E402
 from service.model.moe import MoE  # noqa: E402
 from service.parallel import TPGroup  # noqa: E402
 from service.weights import fp8 as fmt  # noqa: E402
@@ -70,16 +70,6 @@ def test_entry_rows_match_separate_ops(act, beta, linear_beta, dtype, m, k):
     above 64 rows in row blocks of 64 (130: a partial block)."""
     skip_interpreted_16bit_dot(dtype)
     check_entry(m, k, act, beta, linear_beta, dtype, m + k, 1e-4)
-
-
-@pytest.mark.parametrize("m,k", [(3, 96), (16, 600), (64, 2048), (130, 600)])
-def test_entry_rows_with_the_l2_prefetch(m, k, monkeypatch):
-    """LATENTSERVE_MOE_ENTRY_L2_PREFETCH=1 (bench/gpu.py's `entry_l2_prefetch`): every branch asks L2
-    for its weight rows before the PDL wait and starts at K step 0; bf16, under PDL only (GPU)."""
-    if INTERPRET or not pdl.enabled(torch.device(DEVICE)):
-        pytest.skip("the prefetch runs ahead of a PDL wait: sm_90 and later")
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_L2_PREFETCH", "1")
-    check_entry(m, k, "situ", 4.0, 8.0, torch.bfloat16, m + k, 1e-4)
 
 
 @pytest.mark.parametrize("cfg", [{"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2},
