@@ -1,7 +1,11 @@
 """Where the Triton kernel tests run: on a CUDA GPU, or on a CPU with Triton installed and
 TRITON_INTERPRET=1 (kernels interpreted on host memory). Each test module calls
 `require_kernel_device()` before importing what needs Triton, and marks itself `kernel_marks(t)`:
-`gpu` only when not interpreted, so CPU runs with the interpreter are not skipped by conftest."""
+`gpu` only when not interpreted, so CPU runs with the interpreter are not skipped by conftest.
+Triton 3.6's interpreter fails under numpy 2.4 (the pinned one: `int()` of a one-element array
+raises), so give the interpreter an older numpy first on the path:
+
+    pip install --target /tmp/np "numpy<2.4"; PYTHONPATH=/tmp/np TRITON_INTERPRET=1 pytest tests/gpu/..."""
 
 from __future__ import annotations
 
