@@ -454,15 +454,14 @@ def critical_path(events) -> tuple[dict[str, float], float]:
     from the latest end of the kernels started before it (or its own start, after an idle gap)
     to its own end. Exposed times and idle gaps sum to the replay's span, so they say what each
     kernel costs the step with PDL on: (us by kernel name, idle us)."""
+    events = sorted(events, key=lambda e: e.time_range.start)
     exposed: dict[str, float] = {}
-    frontier, idle = None, 0.0
-    for e in sorted(events, key=lambda e: e.time_range.start):
+    frontier, idle = (events[0].time_range.start if events else 0.0), 0.0
+    for e in events:
         start, end = e.time_range.start, e.time_range.end
-        if frontier is not None and start > frontier:
-            idle += start - frontier
-        base = start if frontier is None else max(frontier, start)
-        exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, end - base)
-        frontier = end if frontier is None else max(frontier, end)
+        idle += max(0.0, start - frontier)
+        exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, end - max(frontier, start))
+        frontier = max(frontier, end)
     return exposed, idle
 
 

@@ -122,10 +122,13 @@ if [ "$what" = mla_tma ] || [ "$what" = mla_tma_kernel ]; then  # MLA decode's T
   echo "== mla TMA sweep rc=$?"; grep -o '"fastest.*' "$OUT/mla_tma_sweep.log" | cut -c1-700
   [ "$what" = mla_tma ] && BASELINES=${BASELINES:-kv_block_32,mla_tma,mla_tma_64} TESTS=${TESTS:-tests/gpu/test_mla_decode_kernel.py} what=goal
 fi
-if [ "$what" = goal ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
-  timeout "$(( $(left) - 5 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
-    --batches 1,8,64,256 --profile-batches "" --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+if [ "$what" = goal ] || [ "$what" = goal_ncu ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
+  reserve=5 profile=""
+  [ "$what" = goal_ncu ] && reserve=200 profile=1,8,64,256  # ncu_gemv's share of the call; each batch's exposed times
+  timeout "$(( $(left) - reserve ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
+    --batches 1,8,64,256 --profile-batches "$profile" --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "== goal rc=$?"; grep -E "copy bandwidth|decode batch|baseline|FLOOR INVALID" "$OUT/bench.log" | cut -c1-330
+  [ -n "$profile" ] && grep -A 15 "^exposed under PDL" "$OUT/bench.log" | cut -c1-120  # what each kernel costs the step with PDL on
   [ -n "${TESTS:-}" ] && group tests "$(left)" $TESTS  # TESTS="tests/gpu/x.py ...": the candidates' GPU tests after
 fi
 if [ "$what" = serve_std ]; then  # uvicorn's standard extras (uvloop, httptools: gpu_wheels.sh puts them in .whl/std) against asyncio and h11
@@ -177,14 +180,7 @@ fi
 if [ "$what" = ncu_gemv ] || [ "$what" = goal_ncu ]; then  # where a GEMV of 8-64 rows spends ~6 us on ~1.3 us of weights
   # Runs 39-40: at 64 rows our tiles and cuBLAS both take ~6 us for fused_qkv_a and o_proj, and
   # split-K (a third of the x bytes from L2) was slower. ncu says which bound it is: L2 or DRAM
-  # throughput, the tensor pipe, or stalls. `goal_ncu`: the goal table first (one call's worth).
-  if [ "$what" = goal_ncu ]; then
-    timeout "$(( $(left) - 200 ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
-      --batches 1,8,64,256 --profile-batches 1,8,64,256 --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" \
-      > "$OUT/bench.log" 2>&1
-    echo "== goal rc=$?"; grep -E "copy bandwidth|decode batch|baseline|FLOOR INVALID" "$OUT/bench.log" | cut -c1-330
-    grep -A 15 "^exposed under PDL" "$OUT/bench.log" | cut -c1-120  # what each kernel costs the step with PDL on
-  fi
+  # throughput, the tensor pipe, or stalls. `goal_ncu`: the goal block above first (one call's worth).
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   for case in "o_proj 64 _gemv_kernel" "fused_qkv_a 64 _gemv_kernel" "o_proj 8 _gemv_kernel" "o_proj 64 regex:nvjet|gemm|sm90"; do
     set -- $case

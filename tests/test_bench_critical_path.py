@@ -25,7 +25,7 @@ def test_overlap_gap_and_a_kernel_inside_another():
     exposed, idle = critical_path(list(reversed(events)))  # the profiler's order is not the start order
     assert exposed == {"gemv": 13.0, "mla": 6.0, "merge": 0.0}
     assert idle == 4.0
-    assert sum(exposed.values()) + idle == 23 - 0
+    assert sum(exposed.values()) + idle == 23  # the span: first start 0 to last end 23
 
 
 def test_serial_kernels_cost_their_durations():
