@@ -552,7 +552,8 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # default before run 46), and inside it up to 64 rows (run 46: 1.02-1.03x slower at 8-64).
              "pair_norm_off": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "0"},
              "pair_norm_64": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "64"},
-             # Candidate, not yet timed: at one row the experts' slot sum inside the paired GEMV too.
+             # At one row the experts' slot sum inside the paired GEMV too (0.99x at batch 1 in runs
+             # 51 and 58, inside their noise: opt-in).
              "pair_slots": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1"},
              # MLA's split merge and W_UV as separate kernels at one sequence (default 1 since run 47),
              # and the merged kernel up to 8 sequences (run 47: 1.04x slower at batch 8).
@@ -561,20 +562,22 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # MLA's absorb kernels in 64-wide K steps throughout (before run 47; since then up to 256
              # wide up to 16 sequences, the first step before the PDL wait).
              "absorb_narrow_k": {"LATENTSERVE_MLA_ABSORB_WIDE_K_MAX_ROWS": "0"},
-             # Candidate: the GEMV (and its pairs) up to 256 rows in 64-row blocks, where cuBLAS runs
-             # the projections above 64 today (run 47: its tiles over shared memory; fixed, untimed).
+             # The GEMV (and its pairs) up to 256 rows in 64-row blocks, where cuBLAS runs the
+             # projections above 64 (run 51: 1.00x at batch 256, opt-in).
              "gemv_256": {"LATENTSERVE_GEMV_MAX_ROWS": "256"},
-             # Candidates, not yet timed: the expert selection on one warp (no barriers), and with the
-             # chosen experts' scores reloaded from their logits after the top-k (moe_select.launch_options).
+             # The expert selection on one warp (no barriers), and with the chosen experts' scores
+             # reloaded from their logits after the top-k (moe_select.launch_options): `select_lean`
+             # 0.98x at batch 1 in runs 53 and 58, 0.99-1.00x above, each inside its run's noise.
              "select_1_warp": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1"},
              "select_lean": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1"},
              # The latent norm as a kernel of its own after the experts' slot sum (the default before
              # 2026-12-06; runs 53 and 58 timed the fused form at 0.99-1.01x, a launch a layer fewer).
              "slot_norm_off": {"LATENTSERVE_MOE_SLOT_NORM": "0"},
-             # Candidate, not yet timed: q's rope inside the MLA decode kernel in decode-only steps.
+             # q's rope inside the MLA decode kernel in decode-only steps (run 53: 1.02x at batch 1,
+             # 0.99x above, a kernel a layer fewer).
              "rope_in_decode": {"LATENTSERVE_MLA_ROPE_IN_DECODE": "1"},
-             # Candidate, not yet timed: the MLA absorb kernels' tiles above 16 rows by the fewest
-             # bytes through the busiest SM (mla_absorb.l2_tiles).
+             # The MLA absorb kernels' tiles above 16 rows by the fewest bytes through the busiest SM
+             # (mla_absorb.l2_tiles; run 58: 1.00-1.01x).
              "absorb_l2_tiles": {"LATENTSERVE_MLA_ABSORB_L2_TILES": "1"},
              # The router's per-token logits kernel at every decode batch (moe_kernels.tiled_logits_tokens).
              "per_token_router": {"LATENTSERVE_ROUTE_TILED_TOKENS": "1000000000"},
@@ -597,6 +600,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # control), then with MLA decode's tiles copied by TMA from inside a block
              # (mla_decode_tma.py): predicted 0.95-0.97x at batch 256, 0.97-0.98x at 64, nothing at 1-8;
              # measured (run 101, H100) 1.00x / 0.99x / 1.00x / 0.99x, the control 1.00x.
+             # The opt-in switches that each came out 0.98-0.99x at one batch in two or three runs,
+             # inside that run's noise (select_lean and pair_slots at batch 1, entry_wide_n at 8),
+             # together: ~0.97x at batch 1 and ~0.98x at 8 if their gains add, 1.00x at 64 and 256.
+             "small_stack": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1",
+                             "LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -86,8 +86,9 @@ def pair_norm_max_rows() -> int:
 
 
 def pair_slots_enabled() -> bool:
-    """LATENTSERVE_GEMV_PAIR_SLOTS=1 (not yet timed; bench/gpu.py's `pair_slots`): where the pair
-    norm runs, the routed experts' slot sum too (MoE._slots_tail)."""
+    """LATENTSERVE_GEMV_PAIR_SLOTS=1 (bench/gpu.py's `pair_slots`; 0.99x at batch 1 in runs 51 and
+    58, inside their noise): where the pair norm runs, the routed experts' slot sum too
+    (MoE._slots_tail)."""
     return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "0") == "1"
 
 
@@ -309,7 +310,7 @@ if triton is not None:
         bm, bn = rows_tile(m, True), max(16, block_n(n, sms))
         if m > bm:
             # Above 64 rows, blocks of 64 rows (LATENTSERVE_GEMV_MAX_ROWS=256: bench/gpu.py's
-            # `gemv_256`, not yet timed). Each program re-reads its 64 rows of x from L2, 4x its
+            # `gemv_256`, 1.00x at batch 256 in run 51). Each program re-reads its 64 rows of x from L2, 4x its
             # weight bytes at 16 outputs a program: the widest outputs that still give ~3/4 of the
             # SMs a program (a 2048-wide projection at 256 rows: 64, 128 programs).
             bn = int(os.environ.get("LATENTSERVE_GEMV_TALL_BLOCK_N", "0")) or tall_block_n(m, n, bm, sms)

@@ -112,8 +112,8 @@ def launch_options(e_pad: int) -> dict:
     is shuffles only. sm_90 PTX at the small preset's 64 experts: 966 instructions and 51
     barriers on 4 warps, 749 and none on one, 643 with GATHER_W too. Kimi-K3's 896 keep 8 warps:
     on one, 32 experts a lane make it 4882-6170 instructions (1844 on 8 with GATHER_W).
-    LATENTSERVE_ROUTE_SELECT_GATHER=1: `choose`'s GATHER_W. Both untimed: bench/gpu.py's
-    `select_1_warp` and `select_lean`."""
+    LATENTSERVE_ROUTE_SELECT_GATHER=1: `choose`'s GATHER_W. Both together (bench/gpu.py's
+    `select_lean`): 0.98x at batch 1 in runs 53 and 58, 0.99-1.00x above, inside each run's noise."""
     warps = 4 if e_pad <= 256 else 8
     if e_pad <= 256:
         warps = int(os.environ.get("LATENTSERVE_ROUTE_SELECT_WARPS", "0")) or warps
