@@ -310,9 +310,9 @@ if triton is not None:
         bm, bn = rows_tile(m, True), max(16, block_n(n, sms))
         if m > bm:
             # Above 64 rows, blocks of 64 rows (LATENTSERVE_GEMV_MAX_ROWS=256: bench/gpu.py's
-            # `gemv_256`, 1.00x at batch 256 in run 51). Each program re-reads its 64 rows of x from L2, 4x its
-            # weight bytes at 16 outputs a program: the widest outputs that still give ~3/4 of the
-            # SMs a program (a 2048-wide projection at 256 rows: 64, 128 programs).
+            # `gemv_256`, 1.00x at batch 256 in run 51). Each program re-reads its 64 rows of x
+            # from L2, 4x its weight bytes at 16 outputs a program: the widest outputs that still
+            # give ~3/4 of the SMs a program (a 2048-wide projection at 256 rows: 64, 128 programs).
             bn = int(os.environ.get("LATENTSERVE_GEMV_TALL_BLOCK_N", "0")) or tall_block_n(m, n, bm, sms)
         elif bn == 16 and triton.cdiv(n, 32) >= 96 and os.environ.get("LATENTSERVE_GEMV_WIDE_TILES", "1") != "0":
             # Wide outputs (q_b, 3072 x 768): 32 rows a program still fill ~3/4 of the SMs and

@@ -72,8 +72,9 @@ def _steps(batch: int, k: int, block_j: int) -> tuple[int, int]:
 
 
 def l2_tiles_enabled() -> bool:
-    """LATENTSERVE_MLA_ABSORB_L2_TILES=1 (bench/gpu.py's `absorb_l2_tiles`; run 58: 1.00-1.01x): above
-    the wide-K rows, `l2_tiles` chooses the sequences and outputs a program instead of 64 x 64 / 32."""
+    """LATENTSERVE_MLA_ABSORB_L2_TILES=1 (bench/gpu.py's `absorb_l2_tiles`; run 58: 1.00-1.01x):
+    above the wide-K rows, `l2_tiles` chooses the sequences and outputs a program instead of 64 x
+    64 / 32."""
     return os.environ.get("LATENTSERVE_MLA_ABSORB_L2_TILES", "0") == "1"
 
 
