@@ -533,6 +533,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # MLA decode at 1-8 sequences in 16 warps (mla_decode.launch_config), and the two
              # candidates for batches 1-8 together: what each alone is too small to show.
              "mla_16_warps": {"LATENTSERVE_MLA_SMALL_WARPS": "16"},
+             # MLA decode at 1-8 sequences in half-size tiles at 3 stages (mla_decode.launch_config):
+             # a program's KV load under its math; predicted 0.98-0.99x at batch 8, ~1.00x at 1.
+             "mla_small_pipeline": {"LATENTSERVE_MLA_SMALL_PIPELINE": "1"},
              "small_batch": {"LATENTSERVE_MLA_SMALL_WARPS": "16",
                              "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},

@@ -86,6 +86,12 @@ def launch_config(batch: int, num_heads: int) -> dict:
     # chain of ~1600 instructions at 9.3 cycles apart the kernel's length; 16 warps share a tile
     # (1208 instructions a warp, 128 registers, compiled for sm_90) where 8 hold 166 registers.
     warps = int(os.environ.get("LATENTSERVE_MLA_SMALL_WARPS", "8"))
+    if programs <= 16 and os.environ.get("LATENTSERVE_MLA_SMALL_PIPELINE", "0") == "1":
+        # A candidate (bench/gpu.py's `mla_small_pipeline`): at one tile a program and one stage a
+        # program's KV load and its math never overlap. Half-size tiles at 3 stages with the block
+        # table a step ahead keep both tiles in flight (2 KV buffers; sm_90, 8 warps: 128 registers
+        # at 16-token tiles, 142 at 32, no spills), the first one's math under the second's load.
+        return {"BLOCK_N": 16 if programs <= 2 else 32, "num_warps": warps, "num_stages": 3, "PREFETCH_BT": True}
     if programs <= 2:
         return {"BLOCK_N": 32, "num_warps": warps, "num_stages": 1}
     if programs <= 16:

@@ -104,10 +104,13 @@ def test_launch_variants_match_reference(dtype, tol, write, heads):
     lora, rope, block_size, batch = 64, 16, 16, 5
     q, kv, tables, ctx, ctx_list = case(11, batch, heads, lora, rope, block_size, dtype, 90)
     new, expected_kv = new_tokens(kv, tables, ctx_list, dtype, seed=3) if write else ({}, kv.clone())
-    # The last two: LATENTSERVE_MLA_SMALL_WARPS's 16-warp candidate at the few-program tile sizes.
+    # Then LATENTSERVE_MLA_SMALL_WARPS's 16-warp candidate at the few-program tile sizes, and
+    # LATENTSERVE_MLA_SMALL_PIPELINE's shapes (3 stages, block tables a step ahead, 8 warps).
+    pipelined = {"num_warps": 8, "num_stages": 3, "PREFETCH_BT": True}
     cfgs = [mla_decode.launch_config(64, heads), {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True},
             {**mla_decode.launch_config(1, heads), "BLOCK_N": 16},
-            {**mla_decode.launch_config(1, heads), "num_warps": 16}, {**mla_decode.launch_config(8, heads), "num_warps": 16}]
+            {**mla_decode.launch_config(1, heads), "num_warps": 16}, {**mla_decode.launch_config(8, heads), "num_warps": 16},
+            {**pipelined, "BLOCK_N": 16}, {**pipelined, "BLOCK_N": 32}]
     check_launches(q, kv, tables, ctx, ctx_list, lora, tol, cfgs, new, expected_kv)
 
 
@@ -149,6 +152,15 @@ def test_small_warps_switch_reaches_only_the_few_program_launches(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_MLA_SMALL_WARPS", "16")  # bench/gpu.py's mla_16_warps candidate
     assert mla_decode.launch_config(1, 16)["num_warps"] == mla_decode.launch_config(8, 16)["num_warps"] == 16
     assert mla_decode.launch_config(64, 16)["num_warps"] == 4
+
+
+def test_small_pipeline_switch_reaches_only_the_few_program_launches(monkeypatch):
+    default = mla_decode.launch_config(64, 16)
+    monkeypatch.setenv("LATENTSERVE_MLA_SMALL_PIPELINE", "1")  # bench/gpu.py's mla_small_pipeline candidate
+    one, eight = mla_decode.launch_config(1, 16), mla_decode.launch_config(8, 16)
+    assert (one["BLOCK_N"], eight["BLOCK_N"]) == (16, 32)
+    assert one["num_stages"] == eight["num_stages"] == 3 and one["PREFETCH_BT"] and eight["PREFETCH_BT"]
+    assert mla_decode.launch_config(64, 16) == default
 
 
 @pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
