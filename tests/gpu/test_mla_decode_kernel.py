@@ -142,6 +142,7 @@ def check_launches(q, kv, tables, ctx, ctx_list, lora, tol, cfgs, new, expected_
 
 
 def test_prefetch_launch_is_the_default_from_17_programs(monkeypatch):
+    monkeypatch.delenv("LATENTSERVE_MLA_SMALL_PIPELINE", raising=False)  # the default, whatever the shell set
     assert mla_decode.launch_config(64, 16)["PREFETCH_BT"] is True
     assert "PREFETCH_BT" not in mla_decode.launch_config(8, 16)  # few programs: the split table's shapes
     monkeypatch.setenv("LATENTSERVE_MLA_PREFETCH", "0")  # bench/gpu.py's mla_no_prefetch baseline
