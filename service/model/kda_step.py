@@ -243,8 +243,8 @@ def block_cols(rows: int) -> int:
     """Value columns a step of the state loop: 32 on 4 warps; up to LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS
     rows (0 by default; run 61: within 1% of the default up to 8 sequences) 64 on 8 warps. Run
     48: at one sequence the kernel is latency, 13.6 us for 16 programs walking their four blocks in
-    turn, and 64 halves the walk. sm_90: 140 registers a thread on 8 warps, no spills (140 at 32 on 4), so one program an
-    SM where 32 fits three: a loss once the programs outnumber the SMs."""
+    turn, and 64 halves the walk. sm_90: 140 registers a thread on 8 warps, no spills (140 at 32 on
+    4), so one program an SM where 32 fits three: a loss once the programs outnumber the SMs."""
     return 2 * BV if rows <= int(os.environ.get("LATENTSERVE_KDA_STEP_WIDE_MAX_ROWS", "0")) else BV
 
 
@@ -252,8 +252,8 @@ def split_max_rows() -> int:
     """Up to this many rows a head's columns spread over D / 32 programs, one 32-column block each
     (LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS; 0 by default; run 61: 0.97x at one sequence, 1.03x at
     8). Run 48: at one sequence the kernel is latency, 16 programs each walking four blocks in turn
-    (13.6 us); split, 64 programs walk one each. Every program repeats the conv windows, norms and f_b's projection,
-    so this is for batches whose programs leave SMs idle."""
+    (13.6 us); split, 64 programs walk one each. Every program repeats the conv windows, norms and
+    f_b's projection, so this is for batches whose programs leave SMs idle."""
     return int(os.environ.get("LATENTSERVE_KDA_STEP_SPLIT_MAX_ROWS", "0"))
 
 

@@ -94,7 +94,7 @@ WRITES = [(False, 16), (True, 16), (True, 20)]
 
 @pytest.mark.parametrize("write,heads", WRITES, ids=["read", "write", "write_20h"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_launch_variants_match_reference(dtype, tol, write, heads):
+def test_launch_variants_match_reference(dtype, tol, write, heads, monkeypatch):
     """The prefetching launches (next tile's block-table entries loaded a step ahead: the
     default's 32-token tiles at 3 stages and 16-token tiles at 4) and the few-program one,
     reading the cache and writing each sequence's new token itself (attended after the tile
@@ -105,12 +105,13 @@ def test_launch_variants_match_reference(dtype, tol, write, heads):
     q, kv, tables, ctx, ctx_list = case(11, batch, heads, lora, rope, block_size, dtype, 90)
     new, expected_kv = new_tokens(kv, tables, ctx_list, dtype, seed=3) if write else ({}, kv.clone())
     # Then LATENTSERVE_MLA_SMALL_WARPS's 16-warp candidate at the few-program tile sizes, and
-    # LATENTSERVE_MLA_SMALL_PIPELINE's shapes (3 stages, block tables a step ahead, 8 warps).
-    pipelined = {"num_warps": 8, "num_stages": 3, "PREFETCH_BT": True}
+    # LATENTSERVE_MLA_SMALL_PIPELINE's launches (3 stages, block tables a step ahead).
+    monkeypatch.delenv("LATENTSERVE_MLA_SMALL_PIPELINE", raising=False)
     cfgs = [mla_decode.launch_config(64, heads), {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "PREFETCH_BT": True},
             {**mla_decode.launch_config(1, heads), "BLOCK_N": 16},
-            {**mla_decode.launch_config(1, heads), "num_warps": 16}, {**mla_decode.launch_config(8, heads), "num_warps": 16},
-            {**pipelined, "BLOCK_N": 16}, {**pipelined, "BLOCK_N": 32}]
+            {**mla_decode.launch_config(1, heads), "num_warps": 16}, {**mla_decode.launch_config(8, heads), "num_warps": 16}]
+    monkeypatch.setenv("LATENTSERVE_MLA_SMALL_PIPELINE", "1")
+    cfgs += [mla_decode.launch_config(1, heads), mla_decode.launch_config(8, heads)]
     check_launches(q, kv, tables, ctx, ctx_list, lora, tol, cfgs, new, expected_kv)
 
 
