@@ -98,11 +98,13 @@ class MLAAttention(nn.Module):
         self.g_proj = ColumnParallelLinear(h, n * self.v_dim, tp, dtype) if cfg.mla_use_output_gate else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                kv_cache: torch.Tensor | None) -> torch.Tensor:
+                kv_cache: torch.Tensor | None, qkv_a: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv_a: fused_qkv_a's output, computed by the caller (model.DecoderLayer's add-norm fold,
+        where `takes_qkv_a`); x then gives only the rows, dtype and device."""
         kernels = self._absorbed_kernels(x, meta, kv_cache)
         rope = (cos, sin, self.interleave) if kernels and self._rope_in_decode() else None
         gate_in_kernel = kernels and self._gate_in_decode(x.shape[0])
-        inputs, gate = self.project(x, cos, sin, rope_q=rope is None, gate_sigmoid=not gate_in_kernel)
+        inputs, gate = self.project(x, cos, sin, rope_q=rope is None, gate_sigmoid=not gate_in_kernel, qkv_a=qkv_a)
         out = self.attend(*inputs, meta, kv_cache, rope=rope, gate=gate if gate_in_kernel else None)
         return self.output(out, None if gate_in_kernel else gate)
 
@@ -130,8 +132,8 @@ class MLAAttention(nn.Module):
                 and rows > mla_merge.merge_out_max_rows())
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                into: tuple[torch.Tensor, torch.Tensor] | None = None, rope_q: bool = True, gate_sigmoid: bool = True
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+                into: tuple[torch.Tensor, torch.Tensor] | None = None, rope_q: bool = True, gate_sigmoid: bool = True,
+                qkv_a: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """x [T, H] -> ((q [T, heads, qk], latent [T, kv_cache_dim] as the cache holds it), Kimi's
         output gate [T, heads * v] or None): the per-token part before attention, which depends on
         the token count only (prefill_graphs.py captures it). `into`: buffers for q and latent
@@ -141,7 +143,7 @@ class MLAAttention(nn.Module):
         t = x.shape[0]
         gate_in = None
         if self.q_lora_rank:
-            qkv_a, gate_in = self._down_and_gate(x)
+            qkv_a, gate_in = (qkv_a, None) if qkv_a is not None else self._down_and_gate(x)
             q_a, c_kv, k_pe = qkv_a.split([self.q_lora_rank, self.kv_lora_rank, self.rope], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
@@ -160,6 +162,10 @@ class MLAAttention(nn.Module):
             gate = gate_in if gate_in is not None else self.g_proj(x)
             gate = gate.sigmoid() if gate_sigmoid else gate
         return (q, latent), gate
+
+    def takes_qkv_a(self) -> bool:
+        """fused_qkv_a's output is all `project` needs of x: q in LoRA form, no output gate, 16/32-bit."""
+        return bool(self.q_lora_rank) and self.g_proj is None and self.fused_qkv_a_proj.weight_scale_inv is None
 
     def _down_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fused_qkv_a's output, and Kimi's output gate projection when both come from one

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner
-from . import fp8
+from . import add_norm, fp8
 from .attention import MLAAttention
 from .attn_metadata import AttnMetadata
 from .attn_res import attn_res_mix
@@ -84,8 +84,27 @@ class DecoderLayer(nn.Module):
         norm when layers are compiled: one launch a layer fewer than an add of its own (as vLLM's
         fused add-norm). With attention residuals they are the running block sum and its next
         term, and `bank` holds the finished blocks."""
-        h, x = self.enter(h, pending, bank)
-        return self.leave(h, self.attend(x, rope, meta, cache), bank)
+        folded = self._folded_attention(h, pending, rope, meta, cache)
+        if folded is None:
+            h, x = self.enter(h, pending, bank)
+            folded = h, self.attend(x, rope, meta, cache)
+        return self.leave(*folded, bank)
+
+    def _folded_attention(self, h: torch.Tensor, pending: torch.Tensor | None, rope: tuple, meta: AttnMetadata,
+                          cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + pending, attention's output) with the add and the input norm inside fused_qkv_a's
+        GEMV (add_norm.py: one row, LATENTSERVE_FOLD_ADD_NORM=1), or None where it does not run."""
+        attn = self.self_attn
+        if self.attn_res or self.is_kda or not attn.takes_qkv_a():
+            return None
+        weight, norm = attn.fused_qkv_a_proj.weight, self.input_layernorm
+        if not add_norm.gemv_supported(h, pending, weight):
+            return None
+        out = add_norm.run(torch.ops.latentserve.gemv_add_norm, h, pending, norm.weight, norm.eps, weight)
+        if out is None:
+            return None
+        qkv_a, h = out
+        return h, attn(h, *rope, meta, cache, qkv_a=qkv_a)
 
     def enter(self, h: torch.Tensor, pending: torch.Tensor | None, bank: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +128,9 @@ class DecoderLayer(nn.Module):
             h, x = attn_res_mix(h, attn_out, bank, self.prev_blocks + (self.block_write >= 0), self.mlp_res_norm,
                                 self.mlp_res_proj, self.post_attention_layernorm)
             return h, self.mlp(x)
+        folded = self.mlp.folded(h, attn_out, self.post_attention_layernorm) if isinstance(self.mlp, MoE) else None
+        if folded is not None:
+            return folded
         h = h + attn_out
         return h, self.mlp(self.post_attention_layernorm(h))
 

@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner, latent_norm
-from . import cpu_kernels, dense_mm, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels
+from . import add_norm, cpu_kernels, dense_mm, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, act_params, frozen
 
@@ -241,9 +241,10 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = ReplicatedLinear(width, h, dtype)
             self.tail = tail if tail is not None else TailRunner(layer_idx, tp, "off")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, entry: tuple | None = None) -> torch.Tensor:
+        """entry: `moe_entry`'s outputs for x, computed by the caller (`folded`)."""
         norm = self._norm_weight() if self.latent else None
-        entry = self._entry(x)
+        entry = entry if entry is not None else self._entry(x)
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
             weights, ids = self.gate.select(logits)
@@ -319,6 +320,24 @@ class MoE(nn.Module):
         parts = self.experts.parts(latent, weights, ids)
         return None if parts is None else gemv.run(torch.ops.latentserve.gemv_pair_normed, parts, norm, self.eps, up,
                                                    h, down.weight, ids.shape[1], down.weight_scale_inv)
+
+    def folded(self, h: torch.Tensor, add: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h + add, this layer's output for norm(h + add)) with the add and the norm inside the entry
+        kernel (add_norm.py: one row, LATENTSERVE_FOLD_ADD_NORM=1), or None where it does not run."""
+        shared = self.shared_experts
+        if not (self.latent and shared is not None and add_norm.enabled(h, add)):
+            return None
+        w_down, w_shared, w_router = self.routed_expert_down_proj.weight, shared.gate_up_proj.weight, self.gate.weight
+        # no scales: FP8 weights fail `supported` (the dtypes differ) and keep the compiled norm
+        if not (moe_entry.supported(h, w_down, w_shared, w_router, shared.act_name)
+                and moe_kernels.route_supported(h, w_router.shape[0], self.gate.n_group)):
+            return None
+        out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm, h, add, norm.weight, norm.eps, w_down, w_shared,
+                           w_router, shared.act_name, shared.act_beta, shared.act_linear_beta)
+        if out is None:
+            return None
+        *entry, h = out
+        return h, self.forward(h, entry=tuple(entry))
 
     def _entry(self, x: torch.Tensor):
         """(latent, shared experts' activation, router logits) from one kernel, or None."""

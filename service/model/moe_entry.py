@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..weights import fp8 as fmt
-from . import act_kernels, fp8, gemv, moe_kernels, pdl
+from . import act_kernels, add_norm, fp8, gemv, moe_kernels, pdl
 
 try:
     import triton
@@ -64,18 +64,42 @@ def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _rows(w_ptr, x_ptr, n, nmask, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """Rows n of w against x; the first weight tile is loaded before the PDL wait (weights only)."""
+    def _x(x_ptr, k, kmask, add_ptr, g_ptr, inv, FOLD: tl.constexpr):
+        """x's row at columns k in fp32; FOLD: rms_norm(x + add) there (add_norm.normed)."""
+        if FOLD:
+            xv = add_norm.normed(x_ptr, add_ptr, g_ptr, k, kmask, inv)
+        else:
+            xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        return xv
+
+    @triton.jit
+    def _x0(x_ptr, k, kmask, K, add_ptr, g_ptr, eps, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
+        """After the PDL wait: x's first tile in fp32 and, with FOLD, rms_norm(x + add)'s with the
+        row's inverse RMS (add_norm.first_tile); else 1.0, unused."""
+        if FOLD:
+            s0, inv = add_norm.first_tile(x_ptr, add_ptr, K, eps, BLOCK_K)
+            xv = add_norm.norm_of(s0, tl.load(g_ptr + k, mask=kmask, other=0.0), inv, x_ptr.dtype.element_ty)
+        else:
+            xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            inv = 1.0
+        return xv, inv
+
+    @triton.jit
+    def _rows(w_ptr, x_ptr, n, nmask, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+              add_ptr, g_ptr, eps, FOLD: tl.constexpr):
+        """Rows n of w against x (FOLD: `_x`); the first weight tile is loaded before the PDL wait
+        (weights only)."""
         k = tl.arange(0, BLOCK_K)
         kmask = k < K
         w0 = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :],
                      other=0.0)
         pdl.enter(PDL)
-        acc = w0.to(tl.float32) * tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        x0, inv = _x0(x_ptr, k, kmask, K, add_ptr, g_ptr, eps, BLOCK_K, FOLD)
+        acc = w0.to(tl.float32) * x0[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
-            xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            xv = _x(x_ptr, k, kmask, add_ptr, g_ptr, inv, FOLD)
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :],
                         other=0.0).to(tl.float32)
             acc += w * xv[None, :]
@@ -93,10 +117,12 @@ if triton is not None:
     @triton.jit
     def _entry_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr, down_s_ptr, shared_s_ptr,
                       K, L, INTER, E, stride_d, stride_s, stride_r, stride_ds, stride_ss, beta, linear_beta,
-                      ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
+                      add_ptr, g_ptr, sum_ptr, eps, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      SUB: tl.constexpr, FOLD: tl.constexpr = False):
         # Each branch waits for the previous kernel (pdl.enter) after its first weight tile. FP8:
-        # down and shared are block-scaled (BN x BK blocks, SUB-wide scale runs a K step).
+        # down and shared are block-scaled (BN x BK blocks, SUB-wide scale runs a K step). FOLD:
+        # the input is rms_norm(x + add, g) (add_norm.py), and program 0 writes x + add to sum.
         pid = tl.program_id(0)
         kblocks = tl.cdiv(K, BK)
         p_down = tl.cdiv(L, BLOCK_N)
@@ -108,8 +134,10 @@ if triton is not None:
                 y = fp8.row_times(x_ptr, down_ptr, down_s_ptr, n, n < L, K, stride_d, stride_ds, BN, BK, BLOCK_K, SUB,
                                   PDL)
             else:
-                y = _rows(down_ptr, x_ptr, n, n < L, K, stride_d, BLOCK_N, BLOCK_K, PDL)
+                y = _rows(down_ptr, x_ptr, n, n < L, K, stride_d, BLOCK_N, BLOCK_K, PDL, add_ptr, g_ptr, eps, FOLD)
             tl.store(latent_ptr + n, y.to(dtype), mask=n < L)
+            if FOLD and pid == 0:
+                add_norm.store_sum(x_ptr, add_ptr, sum_ptr, K, BLOCK_K)
         elif pid < p_down + p_shared:
             n = (pid - p_down) * BLOCK_N + tl.arange(0, BLOCK_N)
             nmask = n < INTER
@@ -124,14 +152,14 @@ if triton is not None:
             u0 = _scaled(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n, 0,
                          stride_ss, kblocks, nmask, FP8, BN, BK, BLOCK_K, SUB)
             pdl.enter(PDL)
-            x0 = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            x0, inv = _x0(x_ptr, k, kmask, K, add_ptr, g_ptr, eps, BLOCK_K, FOLD)
             acc_g = g0 * x0[None, :]
             acc_u = u0 * x0[None, :]
             for k0 in range(BLOCK_K, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < K
                 wmask = nmask[:, None] & kmask[None, :]
-                xv = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                xv = _x(x_ptr, k, kmask, add_ptr, g_ptr, inv, FOLD)
                 acc_g += _scaled(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, k0, stride_ss,
                                  kblocks, nmask, FP8, BN, BK, BLOCK_K, SUB) * xv[None, :]
                 acc_u += _scaled(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr,
@@ -140,7 +168,8 @@ if triton is not None:
             tl.store(h_ptr + n, h.to(dtype), mask=nmask)
         else:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL), mask=n < E)
+            tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL, add_ptr, g_ptr,
+                                                  eps, FOLD), mask=n < E)
 
     @triton.jit
     def _tile(w, s_ptr, n, k0, stride_s, kblocks, nmask, dtype: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr,
@@ -231,9 +260,10 @@ if triton is not None:
         return launch
 
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None,
-               cfg=None):
+               cfg=None, fold=None):
         """cfg overrides the multi-row launch (BLOCK_N, BLOCK_K, num_warps, num_stages): bench/moe_entry.py's
-        sweep."""
+        sweep. fold: (add, norm weight, eps, out) at one row, bf16/fp32 weights: the input is
+        rms_norm(x + add), and x + add goes to out (`entry_add_norm`)."""
         m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
         latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
@@ -244,6 +274,9 @@ if triton is not None:
         bn_s, bk_s = fmt.block_of(down, down_scale) if is_fp8 else (16, 16)
         scales = (down_scale, shared_scale) if is_fp8 else (down, shared_gate_up)  # unread without FP8
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
+        if fold is not None and (m > 1 or is_fp8):
+            raise ValueError(f"the add-norm fold takes one row of 16/32-bit weights, got {m} rows, fp8={is_fp8}")
+        add, g, eps, total = fold if fold is not None else (x, x, 0.0, x)  # unread without FOLD
         if m > 1:
             bm = gemv.rows_tile(m, True)
             launch = {**_rows_launch(bm, k, down.element_size()), **(cfg or {})}
@@ -266,9 +299,10 @@ if triton is not None:
         grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
         _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, *scales, k, latent_dim, inter,
                                experts, down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides,
-                               float(beta), float(linear_beta or 1.0), ACT=gemv.ACTS[act],
+                               float(beta), float(linear_beta or 1.0), add, g, total, float(eps), ACT=gemv.ACTS[act],
                                CLIP_UP=linear_beta is not None, BLOCK_N=bn, BLOCK_K=bk, FP8=is_fp8, BN=bn_s, BK=bk_s,
-                               SUB=min(bk_s, bk), num_warps=4, num_stages=4, **pdl.launch(x.device))
+                               SUB=min(bk_s, bk), FOLD=fold is not None, num_warps=4, num_stages=4,
+                               **pdl.launch(x.device))
         return latent, h, logits
 
     @torch.library.custom_op("latentserve::moe_entry", mutates_args=())
@@ -284,3 +318,18 @@ if triton is not None:
         m = x.shape[0]
         return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
                 x.new_empty(m, router.shape[0], dtype=torch.float32))
+
+    @torch.library.custom_op("latentserve::moe_entry_add_norm", mutates_args=())
+    def entry_add_norm(x: torch.Tensor, add: torch.Tensor, norm_weight: torch.Tensor, eps: float, down: torch.Tensor,
+                       shared_gate_up: torch.Tensor, router: torch.Tensor, act: str, beta: float,
+                       linear_beta: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`entry` of rms_norm(x + add, norm_weight, eps) for one row, and x + add: a decoder layer's
+        post-attention add and norm inside the entry kernel (add_norm.py)."""
+        total = torch.empty_like(x)
+        return *_entry(x, down, shared_gate_up, router, act, beta, linear_beta,
+                       fold=(add, norm_weight, eps, total)), total
+
+    @entry_add_norm.register_fake
+    def _(x, add, norm_weight, eps, down, shared_gate_up, router, act, beta, linear_beta):
+        return (x.new_empty(1, down.shape[0]), x.new_empty(1, shared_gate_up.shape[0] // 2),
+                x.new_empty(1, router.shape[0], dtype=torch.float32), torch.empty_like(x))
