@@ -608,10 +608,12 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # together: ~0.97x at batch 1 and ~0.98x at 8 if their gains add, 1.00x at 64 and 256.
              "small_stack": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1",
                              "LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
-             # At one row, the residual add and RMS norm before attention inside fused_qkv_a's GEMV and
-             # the one before the MoE inside its entry kernel (add_norm.py): two Inductor kernels a
-             # layer fewer; predicted ~0.97x at batch 1, nothing at 8-256.
+             # At 1-16 rows, the residual add and RMS norm before attention inside fused_qkv_a's GEMV
+             # and the one before the MoE inside its entry kernel (add_norm.py): two Inductor kernels
+             # a layer fewer; predicted ~0.97x at batch 1, ~0.975x at 8, nothing at 64 and 256.
+             # `fold_add_norm_1`: at one row only, the rows' factored norm left out.
              "fold_add_norm": {"LATENTSERVE_FOLD_ADD_NORM": "1"},
+             "fold_add_norm_1": {"LATENTSERVE_FOLD_ADD_NORM": "1", "LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS": "1"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}
