@@ -184,8 +184,8 @@ if triton is not None:
 
     @triton.jit
     def _x_rows(x_ptr, m, k, mmask, K, stride_x, add_ptr, g_ptr, sum_ptr, FOLD: tl.constexpr):
-        """Rows m of x at columns k for the tensor cores, and (FOLD: add_norm.rows_tile, its sums
-        of squares; else zeros, unused)."""
+        """Rows m of x at columns k for the tensor cores and their sums of squares (FOLD: of x + add,
+        add_norm.rows_tile); without FOLD zeros, unused."""
         if FOLD:
             xv, ss = add_norm.rows_tile(x_ptr, add_ptr, g_ptr, sum_ptr, m, k, mmask, k < K, K, False)
         else:
