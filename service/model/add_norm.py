@@ -40,9 +40,11 @@ GUARD = KernelGuard("add_norm")  # a first-call failure turns the fold off: the 
 
 
 def max_rows() -> int:
-    """Up to this many rows the fold runs (LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS, 16: one tensor-core
-    row tile; above, every program's re-read of the rows and the pending rows from L2 grows)."""
-    return int(os.environ.get("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", "16"))
+    """Up to this many rows the fold runs (LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS, 1). Run 105 (H100):
+    at 8 rows the tensor-core kernels took 28 us where the plain GEMV took 4.0 and the entry 6.3
+    (the step 1.37x), the one-row ones 2.5 / 4.9 against 2.3 / 3.9 (the step 0.95x at batch 1).
+    16 (one row tile) is the rows variant's bench baseline until that is understood."""
+    return int(os.environ.get("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", "1"))
 
 
 def enabled(x: torch.Tensor, add: torch.Tensor | None) -> bool:

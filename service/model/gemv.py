@@ -89,7 +89,7 @@ def pair_slots_enabled() -> bool:
     """LATENTSERVE_GEMV_PAIR_SLOTS=1 (bench/gpu.py's `pair_slots`; 0.99x at batch 1 in runs 51 and
     58, inside their noise): where the pair norm runs, the routed experts' slot sum too
     (MoE._slots_tail)."""
-    return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "0") == "1"
+    return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "1") == "1"
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

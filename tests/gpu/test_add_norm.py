@@ -87,11 +87,12 @@ def test_entry_add_norm_is_the_entry_of_the_normed_sum(act, beta, linear_beta, d
 def test_the_fold_takes_up_to_max_rows_of_16_or_32_bit_weights(monkeypatch):
     h, add, norm = _rows(128, torch.float32, seed=0, m=17)
     monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "1")
+    monkeypatch.delenv("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", raising=False)
+    assert add_norm.enabled(h[:1], add[:1]) and not add_norm.enabled(h[:2], add[:2])  # one row by default
+    monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", "16")
     assert add_norm.enabled(h[:16], add[:16]) and not add_norm.enabled(h[:16], None)
     assert not add_norm.enabled(h, add)
     assert not add_norm.enabled(h[:, :96], add[:, :96])  # strided rows
-    monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", "1")
-    assert add_norm.enabled(h[:1], add[:1]) and not add_norm.enabled(h[:2], add[:2])
     q, scale = torch.zeros(128, 128, dtype=torch.float8_e4m3fn).to(DEVICE), torch.ones(1, 1).to(DEVICE)
     with pytest.raises(ValueError, match="not FP8"):
         moe_entry._entry(h[:1], q, q, h[:20], "silu", 1.0, None, scale, scale,
@@ -108,6 +109,7 @@ def test_tokens_through_the_model_give_the_same_logits(tokens, monkeypatch, spy)
     monkeypatch.delenv("LATENTSERVE_FOLD_ADD_NORM", raising=False)
     ref = full_logits(model, tokens)
     monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "1")
+    monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", "16")
     gemvs, entries = spy(torch.ops.latentserve, "gemv_add_norm"), spy(torch.ops.latentserve, "moe_entry_add_norm")
     got = full_logits(model, tokens)
     assert len(gemvs) == cfg.num_hidden_layers - 1
@@ -140,6 +142,7 @@ def test_decode_graphs_with_the_folds_match_the_eager_step_without(monkeypatch):
     from service import LLM
 
     monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "1")
+    monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", "16")  # the rows kernels too
     llm = LLM(model="tiny", dtype="bfloat16", device=DEVICE, seed=0, distributed_executor_backend="uni",
               max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
     try:
