@@ -519,9 +519,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"},
              "torch_grouped": {"LATENTSERVE_MOE_GROUPED": "torch"}, "cublas_gemv": {"LATENTSERVE_GEMV_MAX_ROWS": "0"},
              "separate_moe_entry": {"LATENTSERVE_MOE_ENTRY": "0"}, "no_pdl": {"LATENTSERVE_PDL": "0"},
-             # The MoE entry kernel's 2-16 rows as 16 outputs a program at 3 stages, the build before
-             # 32 at 4 became the default (run 105, in `small_stack`; moe_entry._rows_launch).
-             "entry_narrow_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "0"},
+             # The MoE entry kernel's 2-16 rows as 32 outputs a program at 4 stages (run 62's sweep at 8
+             # rows: 1.09x standalone, ~0.5% of batch 8's step predicted; moe_entry._rows_launch).
+             "entry_wide_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
              # The build before the opaque cuBLAS products (dense_mm.py, the default since run 83):
              # Inductor's addmm copies the residual first, 2 copies of 1.6 us a MoE layer at 256 rows.
              "addmm": {"LATENTSERVE_OPAQUE_MM": "0"},
@@ -555,9 +555,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # default before run 46), and inside it up to 64 rows (run 46: 1.02-1.03x slower at 8-64).
              "pair_norm_off": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "0"},
              "pair_norm_64": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "64"},
-             # At one row the experts' slot sum as a kernel of its own, the build before it went
-             # inside the paired GEMV by default (run 105, in `small_stack`).
-             "pair_slots_off": {"LATENTSERVE_GEMV_PAIR_SLOTS": "0"},
+             # At one row the experts' slot sum inside the paired GEMV too (0.99x at batch 1 in runs
+             # 51 and 58, inside their noise: opt-in).
+             "pair_slots": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1"},
              # MLA's split merge and W_UV as separate kernels at one sequence (default 1 since run 47),
              # and the merged kernel up to 8 sequences (run 47: 1.04x slower at batch 8).
              "merge_out_off": {"LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "0"},
@@ -568,9 +568,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The GEMV (and its pairs) up to 256 rows in 64-row blocks, where cuBLAS runs the
              # projections above 64 (run 51: 1.00x at batch 256, opt-in).
              "gemv_256": {"LATENTSERVE_GEMV_MAX_ROWS": "256"},
-             # The expert selection on 4 warps without the scores' gather, the build before one warp
-             # with it became the default (moe_select.launch_options; run 105, in `small_stack`).
-             "select_4_warps": {"LATENTSERVE_ROUTE_SELECT_WARPS": "0", "LATENTSERVE_ROUTE_SELECT_GATHER": "0"},
+             # The expert selection on one warp (no barriers), and with the chosen experts' scores
+             # reloaded from their logits after the top-k (moe_select.launch_options): `select_lean`
+             # 0.98x at batch 1 in runs 53 and 58, 0.99-1.00x above, each inside its run's noise.
+             "select_1_warp": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1"},
+             "select_lean": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1"},
              # The latent norm as a kernel of its own after the experts' slot sum (the default before
              # 2026-12-06; runs 53 and 58 timed the fused form at 0.99-1.01x, a launch a layer fewer).
              "slot_norm_off": {"LATENTSERVE_MOE_SLOT_NORM": "0"},
@@ -604,10 +606,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The opt-in switches that each came out 0.98-0.99x at one batch in two or three runs,
              # inside that run's noise (select_lean and pair_slots at batch 1, entry_wide_n at 8),
              # together: ~0.97x at batch 1 and ~0.98x at 8 if their gains add, 1.00x at 64 and 256.
-             # Run 105 (H100): 0.97x / 0.99x / 0.99x / 0.98x, the defaults since; `small_stack_off`
-             # is the build before.
-             "small_stack_off": {"LATENTSERVE_ROUTE_SELECT_WARPS": "0", "LATENTSERVE_ROUTE_SELECT_GATHER": "0",
-                                 "LATENTSERVE_GEMV_PAIR_SLOTS": "0", "LATENTSERVE_MOE_ENTRY_WIDE_N": "0"},
+             # Run 105 (H100): 0.97x / 0.99x / 0.99x / 0.98x; held back from the defaults by an
+             # interpreter test failure they bring (bench/RESULTS.md).
+             "small_stack": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1",
+                             "LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
              # At 1-16 rows, the residual add and RMS norm before attention inside fused_qkv_a's GEMV
              # and the one before the MoE inside its entry kernel (add_norm.py): two Inductor kernels
              # a layer fewer; predicted ~0.97x at batch 1, ~0.975x at 8, nothing at 64 and 256.

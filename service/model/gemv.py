@@ -86,11 +86,10 @@ def pair_norm_max_rows() -> int:
 
 
 def pair_slots_enabled() -> bool:
-    """Where the pair norm runs, the routed experts' slot sum too (MoE._slots_tail;
-    LATENTSERVE_GEMV_PAIR_SLOTS, `0`: bench/gpu.py's `pair_slots_off`). 0.99x at batch 1 in runs 51
-    and 58, inside their noise; the default since run 105 (with `small_stack`'s other switches:
-    0.97x at batch 1, H100)."""
-    return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "1") == "1"
+    """LATENTSERVE_GEMV_PAIR_SLOTS=1 (bench/gpu.py's `pair_slots`; 0.99x at batch 1 in runs 51 and
+    58, inside their noise): where the pair norm runs, the routed experts' slot sum too
+    (MoE._slots_tail)."""
+    return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "0") == "1"
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -308,8 +308,8 @@ class MoE(nn.Module):
 
     def _slots_tail(self, latent: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, h: torch.Tensor,
                     norm: torch.Tensor | None) -> torch.Tensor | None:
-        """`_one_rank_tail` from the experts' unsummed outputs (LATENTSERVE_GEMV_PAIR_SLOTS, on by
-        default since run 105): the slot sum, the latent norm, the up-projection and the
+        """`_one_rank_tail` from the experts' unsummed outputs (LATENTSERVE_GEMV_PAIR_SLOTS=1, 0.99x
+        at batch 1 in runs 51 and 58): the slot sum, the latent norm, the up-projection and the
         shared down-projection in one launch, where the slot sum was a kernel of its own (1.7 us a
         layer at batch 1 without PDL, run 45). One row, where the pair norm runs; else None."""
         down, up = self.shared_experts.down_proj, self.routed_expert_up_proj.weight
