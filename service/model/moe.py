@@ -324,30 +324,39 @@ class MoE(nn.Module):
     def folded(self, h: torch.Tensor, add: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + add, this layer's output for norm(h + add)) with the add and the norm inside the entry
         kernel (add_norm.py: 1-16 rows, LATENTSERVE_FOLD_ADD_NORM=1), or None where it does not run."""
+        if not add_norm.enabled(h, add):
+            return None
+        weights = self._entry_weights(h, (None, None))  # FP8 weights fail it and keep the compiled norm
+        if weights is None:
+            return None
         shared = self.shared_experts
-        if not (self.latent and shared is not None and add_norm.enabled(h, add)):
-            return None
-        w_down, w_shared, w_router = self.routed_expert_down_proj.weight, shared.gate_up_proj.weight, self.gate.weight
-        # no scales: FP8 weights fail `supported` (the dtypes differ) and keep the compiled norm
-        if not (moe_entry.supported(h, w_down, w_shared, w_router, shared.act_name)
-                and moe_kernels.route_supported(h, w_router.shape[0], self.gate.n_group)):
-            return None
-        out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm, h, add, norm.weight, norm.eps, w_down, w_shared,
-                           w_router, shared.act_name, shared.act_beta, shared.act_linear_beta)
+        out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm, h, add, norm.weight, norm.eps, *weights,
+                           shared.act_name, shared.act_beta, shared.act_linear_beta)
         if out is None:
             return None
         *entry, h = out
         return h, self.forward(h, entry=tuple(entry))
 
-    def _entry(self, x: torch.Tensor):
-        """(latent, shared experts' activation, router logits) from one kernel, or None."""
+    def _entry_weights(self, x: torch.Tensor, scales: tuple) -> tuple | None:
+        """(latent down, shared gate/up, router) weights when the entry kernel takes x with them
+        (`scales`: an FP8 model's block scales of the first two, or Nones), else None."""
         shared = self.shared_experts
         if not (self.latent and shared is not None):
             return None
-        w_down, w_shared, w_router = self.routed_expert_down_proj.weight, shared.gate_up_proj.weight, self.gate.weight
-        scales = self.routed_expert_down_proj.weight_scale_inv, shared.gate_up_proj.weight_scale_inv  # FP8 models
-        if not (moe_entry.supported(x, w_down, w_shared, w_router, shared.act_name, *scales)
-                and moe_kernels.route_supported(x, w_router.shape[0], self.gate.n_group)):
+        weights = self.routed_expert_down_proj.weight, shared.gate_up_proj.weight, self.gate.weight
+        if not (moe_entry.supported(x, *weights, shared.act_name, *scales)
+                and moe_kernels.route_supported(x, weights[2].shape[0], self.gate.n_group)):
             return None
-        return moe_kernels.call(torch.ops.latentserve.moe_entry, x, w_down, w_shared, w_router, shared.act_name,
-                                shared.act_beta, shared.act_linear_beta, *scales)
+        return weights
+
+    def _entry(self, x: torch.Tensor):
+        """(latent, shared experts' activation, router logits) from one kernel, or None."""
+        if not (self.latent and self.shared_experts is not None):
+            return None
+        scales = self.routed_expert_down_proj.weight_scale_inv, self.shared_experts.gate_up_proj.weight_scale_inv  # FP8
+        weights = self._entry_weights(x, scales)
+        if weights is None:
+            return None
+        shared = self.shared_experts
+        return moe_kernels.call(torch.ops.latentserve.moe_entry, x, *weights, shared.act_name, shared.act_beta,
+                                shared.act_linear_beta, *scales)
