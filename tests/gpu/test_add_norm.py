@@ -143,8 +143,10 @@ def test_decode_graphs_with_the_folds_match_the_eager_step_without(monkeypatch):
 
     monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "1")
     monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS", "16")  # the rows kernels too
-    llm = LLM(model="tiny", dtype="bfloat16", device=DEVICE, seed=0, distributed_executor_backend="uni",
-              max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
+    # power-of-2 latent and rope widths: the Triton MLA decode kernel, which decode graphs need
+    shapes = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+    llm = LLM(model="tiny", hf_overrides=shapes, dtype="bfloat16", device=DEVICE, seed=0,
+              distributed_executor_backend="uni", max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
     try:
         worker = llm.executor.rank0
         with torch.inference_mode():
