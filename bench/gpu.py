@@ -610,13 +610,12 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # interpreter test failure they bring (bench/RESULTS.md).
              "small_stack": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1",
                              "LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
-             # At 1-16 rows, the residual add and RMS norm before attention inside fused_qkv_a's GEMV
+             # At one row, the residual add and RMS norm before attention inside fused_qkv_a's GEMV
              # and the one before the MoE inside its entry kernel (add_norm.py): two Inductor kernels
-             # a layer fewer; predicted ~0.97x at batch 1, ~0.975x at 8, nothing at 64 and 256.
-             # Run 105 (H100): 0.95x at batch 1, but 1.37x at 8 with the rows kernels, so the fold's
-             # rows default to 1; `fold_add_norm_16` times the rows kernels.
-             "fold_add_norm": {"LATENTSERVE_FOLD_ADD_NORM": "1"},
-             "fold_add_norm_16": {"LATENTSERVE_FOLD_ADD_NORM": "1", "LATENTSERVE_FOLD_ADD_NORM_MAX_ROWS": "16"},
+             # a layer fewer. The default since runs 105-106 (H100: batch 1 0.95x, 0.96x); this is
+             # the control. Its 2-16 row kernels lost (1.37x at batch 8) and are gone (runs 107-108,
+             # bench/norm_in_loop.py).
+             "fold_add_norm_off": {"LATENTSERVE_FOLD_ADD_NORM": "0"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -17,17 +17,7 @@ from triton.backends import Backend, backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from service.model import (  # noqa: E402
-    add_norm,
-    fp8,
-    fp8_grouped,
-    fp8_moe,
-    gemv,
-    mla_absorb,
-    mla_decode,
-    moe_entry,
-    moe_grouped,
-)
+from service.model import fp8, fp8_grouped, fp8_moe, gemv, mla_absorb, mla_decode, moe_entry, moe_grouped  # noqa: E402
 
 H200_SHARED = 232448  # bytes per block, opt-in maximum of sm_90
 POINTERS = {"x_ptr": "bf16", "h_ptr": "bf16", "out_ptr": "bf16", "y_ptr": "bf16", "w_ptr": "fp8e4nv",
@@ -168,20 +158,6 @@ LAUNCHES += [(f"moe entry rows {_name}", lambda c=_c, t=_t, ieee=_ieee: (
                                        FP8=False, BN=16, BK=16, SUB=16), 4, c[2], t))
     for _name, _c, _t, _ieee in (("bf16 default", (16, 256, 3), ENTRY, False), ("bf16 wide n", (32, 256, 4), ENTRY, False),
                                  ("fp32 16x512", (16, 512, 2), ENTRY32, True), ("fp32 32x256", (32, 256, 2), ENTRY32, True))]
-
-# The add-norm fold from 2 rows (add_norm.py, 128-wide K steps): its GEMV at dot_config's 4 stages
-# and the entry kernel at its 3, plus the entry's wide-N candidate at 4, bf16 and fp32.
-FOLD = {"add_ptr": "bf16", "g_ptr": "bf16", "sum_ptr": "bf16"}
-FOLD32 = {"x_ptr": "fp32", "w_ptr": "fp32", "y_ptr": "fp32"}
-LAUNCHES += [(f"add-norm gemv rows {_name}", lambda bn=_bn, t=_t, ieee=_ieee: (
-    add_norm._add_norm_rows_kernel, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, IEEE=ieee), 4, 4, t))
-    for _name, _bn, _t, _ieee in (("bf16", 16, {**GEMV, **FOLD}, False), ("bf16 32 wide", 32, {**GEMV, **FOLD}, False),
-                                  ("fp32", 16, FOLD32, True))]
-LAUNCHES += [(f"moe entry rows folded {_name}", lambda c=_c, t=_t, ieee=_ieee: (
-    moe_entry._entry_rows_kernel, dict(ACT=1, CLIP_UP=True, BLOCK_M=16, BLOCK_N=c[0], BLOCK_K=128, IEEE=ieee,
-                                       FP8=False, BN=16, BK=16, SUB=16, FOLD=True), 4, c[1], t))
-    for _name, _c, _t, _ieee in (("bf16", (16, 3), {**ENTRY, **FOLD}, False), ("bf16 wide n", (32, 4), {**ENTRY, **FOLD}, False),
-                                 ("fp32", (16, 3), ENTRY32, True))]
 
 
 @pytest.mark.parametrize("name,launch", LAUNCHES, ids=[n for n, _ in LAUNCHES])

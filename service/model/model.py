@@ -93,7 +93,7 @@ class DecoderLayer(nn.Module):
     def _folded_attention(self, h: torch.Tensor, pending: torch.Tensor | None, rope: tuple, meta: AttnMetadata,
                           cache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + pending, attention's output) with the add and the input norm inside fused_qkv_a's
-        GEMV (add_norm.py: 1-16 rows, LATENTSERVE_FOLD_ADD_NORM=1), or None where it does not run."""
+        GEMV (add_norm.py: one row, LATENTSERVE_FOLD_ADD_NORM), or None where it does not run."""
         attn = self.self_attn
         if self.attn_res or self.is_kda or not attn.takes_qkv_a():
             return None

@@ -323,7 +323,7 @@ class MoE(nn.Module):
 
     def folded(self, h: torch.Tensor, add: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h + add, this layer's output for norm(h + add)) with the add and the norm inside the entry
-        kernel (add_norm.py: 1-16 rows, LATENTSERVE_FOLD_ADD_NORM=1), or None where it does not run."""
+        kernel (add_norm.py: one row, LATENTSERVE_FOLD_ADD_NORM), or None where it does not run."""
         if not add_norm.enabled(h, add):
             return None
         weights = self._entry_weights(h, (None, None))  # FP8 weights fail it and keep the compiled norm

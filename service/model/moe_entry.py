@@ -182,33 +182,19 @@ if triton is not None:
             tile = w
         return tile
 
-    @triton.jit
-    def _x_rows(x_ptr, m, k, mmask, K, stride_x, add_ptr, g_ptr, sum_ptr, FOLD: tl.constexpr):
-        """Rows m of x at columns k for the tensor cores and their sums of squares (FOLD: of x + add,
-        add_norm.rows_tile); without FOLD zeros, unused."""
-        if FOLD:
-            xv, ss = add_norm.rows_tile(x_ptr, add_ptr, g_ptr, sum_ptr, m, k, mmask, k < K, K, False)
-        else:
-            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-            ss = tl.zeros([xv.shape[0]], tl.float32)
-        return xv, ss
-
     @triton.jit(do_not_specialize=["M"])
     def _entry_rows_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr, down_s_ptr,
                            shared_s_ptr, M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, stride_ds, stride_ss,
-                           beta, linear_beta, add_ptr, g_ptr, sum_ptr, eps, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                           PDL: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-                           FOLD: tl.constexpr = False):
+                           beta, linear_beta, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                           FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
         """`_entry_kernel` from 2 rows: programs split the three weights' rows between them and
         multiply a block of rows (padded to a 16 or 64-row tile) on tensor cores, as gemv.py's
         tiles do; the shared experts' gate and up tiles share one pass, the activation in the
         epilogue. Row blocks are the grid's first axis, so the blocks reading one weight tile
         run side by side and all but the first find it in L2. Outputs are row-major [M, L],
         [M, INTER], [M, E]. FP8: each weight tile scaled in fp32 and rounded to x's dtype for the
-        dot, as the FP8 GEMV's tiles (fp8.rows_times). FOLD: the input is rms_norm(x + add, g), its
-        norm factored out of the products (add_norm.rows_times), and program 0 of a row block writes
-        its rows of x + add to sum."""
+        dot, as the FP8 GEMV's tiles (fp8.rows_times)."""
         pid = tl.program_id(1)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
@@ -217,10 +203,7 @@ if triton is not None:
         mmask = m < M
         if pid < p_down:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            if FOLD:
-                acc = add_norm.rows_times(x_ptr, add_ptr, g_ptr, sum_ptr, down_ptr, m, n, mmask, n < L, K, stride_d, eps,
-                                          pid == 0, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, PDL)
-            elif FP8:
+            if FP8:
                 acc = fp8.rows_times(x_ptr, down_ptr, down_s_ptr, m, n, mmask, n < L, K, stride_x, stride_d, stride_ds,
                                      BN, BK, BLOCK_M, BLOCK_N, BLOCK_K, SUB, PDL)
             else:
@@ -239,34 +222,26 @@ if triton is not None:
             u = _tile(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n, 0,
                       stride_ss, kblocks, nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
             pdl.enter(PDL)
-            xv, ss = _x_rows(x_ptr, m, k, mmask, K, stride_x, add_ptr, g_ptr, sum_ptr, FOLD)
+            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
             acc_g = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, g, True, IEEE)
             acc_u = gemv._product(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), xv, u, True, IEEE)
             for k0 in range(BLOCK_K, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 kmask = k < K
                 wmask = nmask[:, None] & kmask[None, :]
-                xv, part = _x_rows(x_ptr, m, k, mmask, K, stride_x, add_ptr, g_ptr, sum_ptr, FOLD)
-                ss += part
+                xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
                 g = _tile(tl.load(rows + k[None, :], mask=wmask, other=0.0), shared_s_ptr, n, k0, stride_ss, kblocks,
                           nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
                 u = _tile(tl.load(rows + INTER * stride_s + k[None, :], mask=wmask, other=0.0), shared_s_ptr, INTER + n,
                           k0, stride_ss, kblocks, nmask, dtype, FP8, BN, BK, BLOCK_K, SUB)
                 acc_g = gemv._product(acc_g, xv, g, True, IEEE)
                 acc_u = gemv._product(acc_u, xv, u, True, IEEE)
-            if FOLD:
-                inv = tl.rsqrt(ss / K + eps)[:, None]
-                acc_g, acc_u = acc_g * inv, acc_u * inv
             h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
             tl.store(h_ptr + m[:, None] * INTER + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
         else:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
-            if FOLD:
-                acc = add_norm.rows_times(x_ptr, add_ptr, g_ptr, sum_ptr, router_ptr, m, n, mmask, n < E, K, stride_r,
-                                          eps, False, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, PDL)
-            else:
-                acc = gemv._rows_times(x_ptr, router_ptr, m, n, mmask, n < E, K, stride_x, stride_r, BLOCK_M, BLOCK_N,
-                                       BLOCK_K, True, IEEE, PDL)
+            acc = gemv._rows_times(x_ptr, router_ptr, m, n, mmask, n < E, K, stride_x, stride_r, BLOCK_M, BLOCK_N,
+                                   BLOCK_K, True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
 
     def _rows_launch(bm: int, k: int, weight_bytes: int) -> dict:
@@ -298,22 +273,20 @@ if triton is not None:
         bn_s, bk_s = fmt.block_of(down, down_scale) if is_fp8 else (16, 16)
         scales = (down_scale, shared_scale) if is_fp8 else (down, shared_gate_up)  # unread without FP8
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
-        if fold is not None and is_fp8:
-            raise ValueError("the add-norm fold takes 16/32-bit weights, not FP8")
+        if fold is not None and (is_fp8 or m > 1):
+            raise ValueError("the add-norm fold takes one row of 16/32-bit weights")
         add, g, eps, total = fold if fold is not None else (x, x, 0.0, x)  # unread without FOLD
         if m > 1:
             bm = gemv.rows_tile(m, True)
             launch = {**_rows_launch(bm, k, down.element_size()), **(cfg or {})}
-            if fold is not None:
-                launch["BLOCK_K"] = min(launch["BLOCK_K"], add_norm.ROWS_MAX_K)
             bn, bk = launch["BLOCK_N"], launch["BLOCK_K"]
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
             _entry_rows_kernel[(triton.cdiv(m, bm), grid)](
                 x, down, shared_gate_up, router, latent, h, logits, *scales, m, k, latent_dim, inter, experts,
                 x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides, float(beta),
-                float(linear_beta or 1.0), add, g, total, float(eps), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None,
-                BLOCK_M=bm, IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk),
-                FOLD=fold is not None, **launch, **pdl.launch(x.device))
+                float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm,
+                IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), **launch,
+                **pdl.launch(x.device))
             return latent, h, logits
         # As the one-row GEMV since run 39, each program's whole K slice (up to 2048) in one step,
         # all of it requested before the PDL wait (sm_90: 170 registers, no spills): batch 1 0.99x
