@@ -519,9 +519,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              "torch_moe": {"LATENTSERVE_MOE_KERNELS": "0"},
              "torch_grouped": {"LATENTSERVE_MOE_GROUPED": "torch"}, "cublas_gemv": {"LATENTSERVE_GEMV_MAX_ROWS": "0"},
              "separate_moe_entry": {"LATENTSERVE_MOE_ENTRY": "0"}, "no_pdl": {"LATENTSERVE_PDL": "0"},
-             # The MoE entry kernel's 2-16 rows as 32 outputs a program at 4 stages (run 62's sweep at 8
-             # rows: 1.09x standalone, ~0.5% of batch 8's step predicted; moe_entry._rows_launch).
-             "entry_wide_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
+             # The MoE entry kernel's 2-16 rows as 16 outputs a program at 3 stages, the default before
+             # run 105 made 32 at 4 the default (with `small_stack`; run 62's sweep at 8 rows: 1.09x
+             # standalone; moe_entry._rows_launch).
+             "entry_narrow_n": {"LATENTSERVE_MOE_ENTRY_WIDE_N": "0"},
              # The build before the opaque cuBLAS products (dense_mm.py, the default since run 83):
              # Inductor's addmm copies the residual first, 2 copies of 1.6 us a MoE layer at 256 rows.
              "addmm": {"LATENTSERVE_OPAQUE_MM": "0"},
@@ -530,14 +531,14 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # is the build before it; 512 pairs takes batch 64 too, every program reading 512 ids.
              "align_kernel": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "0"},
              "align_in_512": {"LATENTSERVE_MOE_ALIGN_IN_MAX_PAIRS": "512"},
-             # MLA decode at 1-8 sequences in 16 warps (mla_decode.launch_config), and the two
-             # candidates for batches 1-8 together: what each alone is too small to show.
+             # MLA decode at 1-8 sequences in 16 warps (mla_decode.launch_config), and (`small_batch`)
+             # with the half-size tiles below: what each alone is too small to show.
              "mla_16_warps": {"LATENTSERVE_MLA_SMALL_WARPS": "16"},
              # MLA decode at 1-8 sequences in half-size tiles at 3 stages (mla_decode.launch_config):
-             # a program's KV load under its math; predicted 0.98-0.99x at batch 8, ~1.00x at 1.
+             # a program's KV load under its math; predicted 0.98-0.99x at batch 8, ~1.00x at 1;
+             # run 106 (H100): 1.00x / 0.99x / 1.00x / 1.00x.
              "mla_small_pipeline": {"LATENTSERVE_MLA_SMALL_PIPELINE": "1"},
-             "small_batch": {"LATENTSERVE_MLA_SMALL_WARPS": "16",
-                             "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
+             "small_batch": {"LATENTSERVE_MLA_SMALL_WARPS": "16", "LATENTSERVE_MLA_SMALL_PIPELINE": "1"},
              "no_inductor_pdl": {"LATENTSERVE_INDUCTOR_PDL": "0"}, "bmm_absorb": {"LATENTSERVE_MLA_ABSORB": "0"},
              "separate_kv_write": {"LATENTSERVE_MLA_WRITE_KV": "0"}, "unpaired_tail": {"LATENTSERVE_GEMV_PAIR": "0"},
              # MLA decode's launch table before block tables were prefetched (mla_decode.launch_config).
@@ -555,9 +556,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # default before run 46), and inside it up to 64 rows (run 46: 1.02-1.03x slower at 8-64).
              "pair_norm_off": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "0"},
              "pair_norm_64": {"LATENTSERVE_GEMV_PAIR_NORM_MAX_ROWS": "64"},
-             # At one row the experts' slot sum inside the paired GEMV too (0.99x at batch 1 in runs
-             # 51 and 58, inside their noise: opt-in).
-             "pair_slots": {"LATENTSERVE_GEMV_PAIR_SLOTS": "1"},
+             # At one row the experts' slot sum as a kernel of its own, not inside the paired GEMV (the
+             # default before run 105; the pair took it at 0.99x in runs 51 and 58, inside their noise).
+             "pair_slots_off": {"LATENTSERVE_GEMV_PAIR_SLOTS": "0"},
              # MLA's split merge and W_UV as separate kernels at one sequence (default 1 since run 47),
              # and the merged kernel up to 8 sequences (run 47: 1.04x slower at batch 8).
              "merge_out_off": {"LATENTSERVE_MLA_MERGE_OUT_MAX_ROWS": "0"},
@@ -568,11 +569,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The GEMV (and its pairs) up to 256 rows in 64-row blocks, where cuBLAS runs the
              # projections above 64 (run 51: 1.00x at batch 256, opt-in).
              "gemv_256": {"LATENTSERVE_GEMV_MAX_ROWS": "256"},
-             # The expert selection on one warp (no barriers), and with the chosen experts' scores
-             # reloaded from their logits after the top-k (moe_select.launch_options): `select_lean`
-             # 0.98x at batch 1 in runs 53 and 58, 0.99-1.00x above, each inside its run's noise.
-             "select_1_warp": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1"},
-             "select_lean": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1"},
+             # The expert selection on 4 warps without the chosen scores' reload (the default before
+             # run 105; one warp with the reload, moe_select.launch_options, was 0.98x at batch 1 in
+             # runs 53 and 58, 0.99-1.00x above), and on 4 warps with the reload.
+             "select_4_warps": {"LATENTSERVE_ROUTE_SELECT_WARPS": "0", "LATENTSERVE_ROUTE_SELECT_GATHER": "0"},
+             "select_4_warps_gather": {"LATENTSERVE_ROUTE_SELECT_WARPS": "0"},
              # The latent norm as a kernel of its own after the experts' slot sum (the default before
              # 2026-12-06; runs 53 and 58 timed the fused form at 0.99-1.01x, a launch a layer fewer).
              "slot_norm_off": {"LATENTSERVE_MOE_SLOT_NORM": "0"},
@@ -606,10 +607,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The opt-in switches that each came out 0.98-0.99x at one batch in two or three runs,
              # inside that run's noise (select_lean and pair_slots at batch 1, entry_wide_n at 8),
              # together: ~0.97x at batch 1 and ~0.98x at 8 if their gains add, 1.00x at 64 and 256.
-             # Run 105 (H100): 0.97x / 0.99x / 0.99x / 0.98x; held back from the defaults by an
-             # interpreter test failure they bring (bench/RESULTS.md).
-             "small_stack": {"LATENTSERVE_ROUTE_SELECT_WARPS": "1", "LATENTSERVE_ROUTE_SELECT_GATHER": "1",
-                             "LATENTSERVE_GEMV_PAIR_SLOTS": "1", "LATENTSERVE_MOE_ENTRY_WIDE_N": "1"},
+             # Run 105 (H100): 0.97x / 0.99x / 0.99x / 0.98x, run 106 0.97x / 0.98x / 0.99x / 0.99x:
+             # the defaults since; this is the build before them.
+             "small_stack_off": {"LATENTSERVE_ROUTE_SELECT_WARPS": "0", "LATENTSERVE_ROUTE_SELECT_GATHER": "0",
+                                 "LATENTSERVE_GEMV_PAIR_SLOTS": "0", "LATENTSERVE_MOE_ENTRY_WIDE_N": "0"},
              # At one row, the residual add and RMS norm before attention inside fused_qkv_a's GEMV
              # and the one before the MoE inside its entry kernel (add_norm.py): two Inductor kernels
              # a layer fewer. The default since runs 105-106 (H100: batch 1 0.95x, 0.96x); this is

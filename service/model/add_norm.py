@@ -15,7 +15,7 @@ One row only. From 2 rows the projections are tensor-core tiles, and in Triton 3
 use of the activation tile besides the dot costs more than the kernel it would save
 (bench/norm_in_loop.py, runs 107-108, H100, 8 rows, a 2112 x 2048 weight: the GEMV 4.1 us; the
 same loop with the row's sums of squares in it 14, with x + add too 24, with the new stream stored
-inside the loop 23 where after it 6.6; the best whole fold, a pass for the norm first, 10.4
+inside the loop 23 where after it 6.6; the best whole fold, a pass for the norm first, 11.1
 against 4.1 + ~1.8 unfused). A 2-16 row variant with the norm factored out of the product ran
 28 us a call (run 105: batch 8 1.37x) and is gone.
 

@@ -112,12 +112,13 @@ def launch_options(e_pad: int) -> dict:
     is shuffles only. sm_90 PTX at the small preset's 64 experts: 966 instructions and 51
     barriers on 4 warps, 749 and none on one, 643 with GATHER_W too. Kimi-K3's 896 keep 8 warps:
     on one, 32 experts a lane make it 4882-6170 instructions (1844 on 8 with GATHER_W).
-    LATENTSERVE_ROUTE_SELECT_GATHER=1: `choose`'s GATHER_W. Both together (bench/gpu.py's
-    `select_lean`): 0.98x at batch 1 in runs 53 and 58, 0.99-1.00x above, inside each run's noise."""
+    LATENTSERVE_ROUTE_SELECT_GATHER=1: `choose`'s GATHER_W. Both together: 0.98x at batch 1 in runs
+    53 and 58, 0.99-1.00x above, inside each run's noise; the defaults since runs 105-106 with the
+    rest of bench/gpu.py's `small_stack`. `0` on both: 4 warps and no gather (`select_4_warps`)."""
     warps = 4 if e_pad <= 256 else 8
     if e_pad <= 256:
-        warps = int(os.environ.get("LATENTSERVE_ROUTE_SELECT_WARPS", "0")) or warps
-    return {"num_warps": warps, "GATHER_W": os.environ.get("LATENTSERVE_ROUTE_SELECT_GATHER", "0") == "1"}
+        warps = int(os.environ.get("LATENTSERVE_ROUTE_SELECT_WARPS", "1")) or warps
+    return {"num_warps": warps, "GATHER_W": os.environ.get("LATENTSERVE_ROUTE_SELECT_GATHER", "1") == "1"}
 
 
 def select(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_group: int,

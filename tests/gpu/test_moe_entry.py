@@ -91,10 +91,10 @@ def test_entry_rows_launch_shapes_give_the_same_outputs(cfg):
 def test_wide_n_switch_picks_its_launch(monkeypatch):
     """LATENTSERVE_MOE_ENTRY_WIDE_N=1: 32 outputs a program at 4 stages for 16-row tiles of 16-bit
     weights, the default's launch for FP8, fp32 and wider row tiles."""
-    monkeypatch.delenv("LATENTSERVE_MOE_ENTRY_WIDE_N", raising=False)  # the default, whatever the shell set
+    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_WIDE_N", "0")
     default = moe_entry._rows_launch(16, 2048, 2)
     assert (default["BLOCK_N"], default["BLOCK_K"], default["num_stages"]) == (16, 256, 3)
-    monkeypatch.setenv("LATENTSERVE_MOE_ENTRY_WIDE_N", "1")
+    monkeypatch.delenv("LATENTSERVE_MOE_ENTRY_WIDE_N")  # on by default since run 105
     assert moe_entry._rows_launch(16, 2048, 2) == {**default, "BLOCK_N": 32, "num_stages": 4}
     for weight_bytes in (1, 4):  # FP8, and fp32 (whose 4 stages overflow shared memory)
         assert moe_entry._rows_launch(16, 2048, weight_bytes) == default
