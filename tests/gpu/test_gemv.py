@@ -15,7 +15,7 @@ from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device, s
 
 require_kernel_device()
 
-from service.model import gemv, layers  # noqa: E402
+from service.model import dense_mm, gemv, layers  # noqa: E402
 from service.weights import fp8 as fmt  # noqa: E402
 
 pytestmark = kernel_marks(300)
@@ -283,7 +283,9 @@ def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
     assert layer._one_rank_tail(latent, h, layer._norm_weight()) is not None
     paired = layer(x)
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR", "0")
-    assert layer._one_rank_tail(latent, h, layer._norm_weight()) is None
+    # unpaired: cuBLAS's two products on a GPU (dense_mm.py), the layer's own path in the interpreter
+    unpaired = layer._one_rank_tail(latent, h, layer._norm_weight())
+    assert (unpaired is not None) == dense_mm.enabled(latent)
     torch.testing.assert_close(paired, layer(x), atol=1e-5, rtol=1e-4)
 
 
