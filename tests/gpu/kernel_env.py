@@ -17,6 +17,10 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRET else "cuda"
 
+# `tiny` with power-of-2 MLA latent and rope widths: the Triton MLA decode kernel runs, which the
+# decode graphs need (on tiny's own widths they are off).
+GRAPH_SHAPES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+
 
 def require_kernel_device():
     """Triton's module, or a skip of the calling module: no Triton, or neither CUDA nor the interpreter."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, GRAPH_SHAPES, INTERPRET, kernel_marks, require_kernel_device
 
 require_kernel_device()
 
@@ -135,9 +135,7 @@ def test_decode_graphs_with_the_folds_match_the_eager_step_without(monkeypatch):
     from service import LLM
 
     monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "1")
-    # power-of-2 latent and rope widths: the Triton MLA decode kernel, which decode graphs need
-    shapes = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
-    llm = LLM(model="tiny", hf_overrides=shapes, dtype="bfloat16", device=DEVICE, seed=0,
+    llm = LLM(model="tiny", hf_overrides=GRAPH_SHAPES, dtype="bfloat16", device=DEVICE, seed=0,
               distributed_executor_backend="uni", max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
     try:
         worker = llm.executor.rank0

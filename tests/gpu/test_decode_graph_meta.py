@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from kernel_env import DEVICE, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, GRAPH_SHAPES, kernel_marks, require_kernel_device
 
 require_kernel_device()
 
@@ -26,7 +26,7 @@ from service.model.kda import KDAState, kda_state_shapes  # noqa: E402
 
 pytestmark = kernel_marks(600)
 # MLA widths the Triton decode kernel takes.
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+OVERRIDES = GRAPH_SHAPES
 BS, BLOCKS, SEQS, BATCH, WIDTH = 16, 12, 3, 4, 8
 SCRATCH = (BLOCKS, SEQS)  # one past what the "engine" hands out, as the worker allocates
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_env import GRAPH_SHAPES
 
 from service import LLM
 from service.engine.plan import SeqChunk, StepPlan
@@ -19,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 DEV = "cuda"
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+OVERRIDES = GRAPH_SHAPES
 ROWS = 80  # above gemv.max_rows(): the projections are cuBLAS's
 
 

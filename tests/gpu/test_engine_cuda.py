@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from kernel_env import GRAPH_SHAPES
 
 from service import LLM, SamplingParams
 from service.weights import checkpoint_tensors
@@ -22,7 +23,7 @@ if not torch.cuda.is_available():
 
 # tiny, with latent/rope widths the Triton decode kernel takes (powers of 2 >= 16) and weights
 # large enough for clear greedy margins (DeepSeek's 0.02 leaves many near-ties in a tiny model).
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+OVERRIDES = GRAPH_SHAPES
 STEPS = 24
 # 6 prompts: decodes run at batch 6 in the graph of batch 8 (2 padding rows); up to 64 tokens
 # of context, 4 KV blocks of 16.

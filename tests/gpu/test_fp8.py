@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, GRAPH_SHAPES, INTERPRET, kernel_marks, require_kernel_device
 
 triton = require_kernel_device()
 
@@ -148,8 +148,7 @@ def test_fp8_grouped_experts_match_reference(act, m, shard, width):
 # tiny with the Triton decode kernel's widths (as test_engine_cuda), q_lora 128 (the fused q_a | kv_a
 # rows start kv_a on a 128-row block: --quantization fp8 is 128x128) and experts 128 wide (w13
 # stacks gate and up: each must fill whole blocks).
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1,
-                 q_lora_rank=128, moe_intermediate_size=128)
+OVERRIDES = {**GRAPH_SHAPES, "q_lora_rank": 128, "moe_intermediate_size": 128}
 PROMPTS = [[(i * 37 + j * 11) % 1000 + 4 for j in range(5 + 3 * i)] for i in range(6)]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_env import GRAPH_SHAPES
 
 from service import LLM
 from service.engine.plan import SeqChunk, StepPlan
@@ -81,7 +82,7 @@ def test_compiled_chain_replays_in_a_cuda_graph():
 
 
 # tiny with latent/rope widths the Triton decode kernel takes, as in test_engine_cuda.py
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+OVERRIDES = GRAPH_SHAPES
 
 
 def _rel(a, b):

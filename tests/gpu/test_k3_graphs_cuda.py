@@ -19,11 +19,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from kernel_env import k3_decode_kernels  # noqa: E402
+from kernel_env import GRAPH_SHAPES, k3_decode_kernels  # noqa: E402
 from test_engine_cuda import compare, cycle_checks, graphs, tokens  # noqa: E402
 
 # MLA widths the Triton decode kernel takes; weights large enough for clear greedy margins.
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+OVERRIDES = GRAPH_SHAPES
 SIZES = [1, 2, 4]  # fp32 graphs need every batch within the Triton GEMV experts (16 tokens)
 
 

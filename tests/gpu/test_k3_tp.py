@@ -8,14 +8,14 @@ interpreted in both ranks (2026-12-05: 4 prompts x 6 tokens, the same tokens, lo
 
 from __future__ import annotations
 
-from kernel_env import DEVICE, k3_decode_kernels, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, GRAPH_SHAPES, k3_decode_kernels, kernel_marks, require_kernel_device
 
 require_kernel_device()
 
 from service import LLM, SamplingParams  # noqa: E402
 
 pytestmark = kernel_marks(1800)
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+OVERRIDES = GRAPH_SHAPES
 # A one-token prompt starts on a decode-shaped step at position 0; the others prefill first.
 PROMPTS = [[(i * 131 + 17 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate([9, 3, 1, 12])]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)

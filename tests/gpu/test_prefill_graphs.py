@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from kernel_env import GRAPH_SHAPES
 
 from service import LLM
 from service.engine.plan import SeqChunk, StepPlan
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+OVERRIDES = GRAPH_SHAPES
 BLOCK = 16
 
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from kernel_env import GRAPH_SHAPES
 
 from service import LLM, SamplingParams
 from service.seed_plan import (
@@ -31,8 +32,7 @@ if not torch.cuda.is_available():
 
 TP = 2
 # Widths the Triton MLA decode kernel takes (powers of two), larger weights so greedy is not flat.
-OVERRIDES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                 initializer_range=0.1, num_hidden_layers=4)
+OVERRIDES = {**GRAPH_SHAPES, "num_hidden_layers": 4}
 # The seed's model: Kimi-K3 (KDA layers through the fla kernels, MLA, latent MoE, attention residuals).
 MODELS = ["tiny", "k3-tiny"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
