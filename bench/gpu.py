@@ -617,6 +617,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # the control. Its 2-16 row kernels lost (1.37x at batch 8) and are gone (runs 107-108,
              # bench/norm_in_loop.py).
              "fold_add_norm_off": {"LATENTSERVE_FOLD_ADD_NORM": "0"},
+             # At one row the expert selection inside the MoE entry kernel, by its last router program
+             # (moe_select.choose_if_last): one launch a MoE layer fewer, the selection's ~3 us under
+             # the other programs' weight streams; predicted ~0.95x at batch 1, nothing above.
+             "route_in_entry": {"LATENTSERVE_ROUTE_IN_ENTRY": "1"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

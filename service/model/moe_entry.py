@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..weights import fp8 as fmt
-from . import act_kernels, add_norm, fp8, gemv, moe_kernels, pdl
+from . import act_kernels, add_norm, fp8, gemv, moe_kernels, moe_select, pdl
 
 try:
     import triton
@@ -119,10 +119,16 @@ if triton is not None:
                       K, L, INTER, E, stride_d, stride_s, stride_r, stride_ds, stride_ss, beta, linear_beta,
                       add_ptr, g_ptr, sum_ptr, eps, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      SUB: tl.constexpr, FOLD: tl.constexpr = False):
+                      SUB: tl.constexpr, FOLD: tl.constexpr = False, bias_ptr=None, weights_ptr=None, ids_ptr=None,
+                      counter_ptr=None, scaling=1.0, SELECT: tl.constexpr = False, E_SEL: tl.constexpr = 1,
+                      E_PAD: tl.constexpr = 1, N_GROUP: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
+                      TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NORM: tl.constexpr = False,
+                      SOFTMAX: tl.constexpr = False, GATHER_W: tl.constexpr = False):
         # Each branch waits for the previous kernel (pdl.enter) after its first weight tile. FP8:
         # down and shared are block-scaled (BN x BK blocks, SUB-wide scale runs a K step). FOLD:
         # the input is rms_norm(x + add, g) (add_norm.py), and program 0 writes x + add to sum.
+        # SELECT: the last router program chooses the experts (moe_select.choose_if_last, `choose`'s
+        # constexprs, E_SEL the experts), the other programs' weight streams still running.
         pid = tl.program_id(0)
         kblocks = tl.cdiv(K, BK)
         p_down = tl.cdiv(L, BLOCK_N)
@@ -170,6 +176,10 @@ if triton is not None:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL, add_ptr, g_ptr,
                                                   eps, FOLD), mask=n < E)
+            if SELECT:
+                moe_select.choose_if_last(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counter_ptr, tl.cdiv(E, BLOCK_N),
+                                          scaling, E_SEL, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM, SOFTMAX,
+                                          GATHER_W)
 
     @triton.jit
     def _tile(w, s_ptr, n, k0, stride_s, kblocks, nmask, dtype: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr,
@@ -260,10 +270,11 @@ if triton is not None:
         return launch
 
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None,
-               cfg=None, fold=None):
+               cfg=None, fold=None, select=None):
         """cfg overrides the multi-row launch (BLOCK_N, BLOCK_K, num_warps, num_stages): bench/moe_entry.py's
         sweep. fold: (add, norm weight, eps, out), 16/32-bit weights: the input is rms_norm(x + add),
-        and x + add goes to out (`entry_add_norm`)."""
+        and x + add goes to out (`entry_add_norm`). select: (bias, weights, ids, counter, `choose`'s
+        constexprs, scaling), one row: the experts chosen in the kernel (`entry_select`)."""
         m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
         latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
@@ -276,6 +287,13 @@ if triton is not None:
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if fold is not None and (is_fp8 or m > 1):
             raise ValueError("the add-norm fold takes one row of 16/32-bit weights")
+        if select is not None and m > 1:
+            raise ValueError("the selection in the entry kernel takes one row")
+        sel = {}
+        if select is not None:
+            bias, weights, ids, counter, consts, scaling = select
+            sel = dict(bias_ptr=bias, weights_ptr=weights, ids_ptr=ids, counter_ptr=counter, scaling=float(scaling),
+                       SELECT=True, E_SEL=consts.pop("E"), **consts)
         add, g, eps, total = fold if fold is not None else (x, x, 0.0, x)  # unread without FOLD
         if m > 1:
             bm = gemv.rows_tile(m, True)
@@ -302,7 +320,7 @@ if triton is not None:
                                float(beta), float(linear_beta or 1.0), add, g, total, float(eps), ACT=gemv.ACTS[act],
                                CLIP_UP=linear_beta is not None, BLOCK_N=bn, BLOCK_K=bk, FP8=is_fp8, BN=bn_s, BK=bk_s,
                                SUB=min(bk_s, bk), FOLD=fold is not None, num_warps=4, num_stages=4,
-                               **pdl.launch(x.device))
+                               **sel, **pdl.launch(x.device))
         return latent, h, logits
 
     @torch.library.custom_op("latentserve::moe_entry", mutates_args=())
@@ -334,3 +352,33 @@ if triton is not None:
         m = x.shape[0]
         return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
                 x.new_empty(m, router.shape[0], dtype=torch.float32), torch.empty_like(x))
+
+    @torch.library.custom_op("latentserve::moe_entry_select", mutates_args=())
+    def entry_select(x: torch.Tensor, add: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                     down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor, act: str, beta: float,
+                     linear_beta: float | None, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                     norm_topk_prob: bool, scaling: float, softmax: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`entry` of one row (with add: of rms_norm(x + add), as `entry_add_norm`) whose last router
+        program also chooses the experts (LATENTSERVE_ROUTE_IN_ENTRY): (latent, h, weights [1, k]
+        fp32 scaled, ids [1, k], x + add; without add an empty tensor). A first call inside a CUDA
+        graph capture has no arrival counter yet: the selection then runs as its own launch."""
+        weights = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(1, top_k, dtype=torch.long, device=x.device)
+        total = torch.empty_like(x) if add is not None else x.new_empty(0)
+        consts = {**moe_select.meta(router.shape[0], n_group, topk_group, top_k, norm_topk_prob, softmax),
+                  "GATHER_W": moe_select.launch_options(1)["GATHER_W"]}
+        fold = (add, norm_weight, eps, total) if add is not None else None
+        counter = moe_select.arrival_counter(x.device)
+        select = (bias, weights, ids, counter, consts, scaling) if counter is not None else None
+        latent, h, logits = _entry(x, down, shared_gate_up, router, act, beta, linear_beta, fold=fold, select=select)
+        if select is None:
+            moe_select.select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
+        return latent, h, weights, ids, total
+
+    @entry_select.register_fake
+    def _(x, add, norm_weight, eps, down, shared_gate_up, router, act, beta, linear_beta, bias, n_group, topk_group,
+          top_k, norm_topk_prob, scaling, softmax):
+        return (x.new_empty(1, down.shape[0]), x.new_empty(1, shared_gate_up.shape[0] // 2),
+                x.new_empty(1, top_k, dtype=torch.float32), x.new_empty(1, top_k, dtype=torch.long),
+                torch.empty_like(x) if add is not None else x.new_empty(0))

@@ -6,6 +6,8 @@ groups), the top-k by repeated argmax, the chosen experts' unbiased scores (norm
 math as moe.route. `select` launches it as a kernel of its own, one program a token (the router's
 second kernel, moe_kernels.route). Running it inline in every gate/up program instead, one launch
 fewer a layer, was 1.14x slower at batch 8 on the H200 (bench/RESULTS.md, run 43).
+`choose_if_last` runs it once, in the last of the MoE entry kernel's router programs at one row
+(LATENTSERVE_ROUTE_IN_ENTRY=1, a candidate).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import torch
 
 from . import pdl
+from .counters import ArrivalCounters
+from .kernel_guard import KernelGuard
 
 try:
     import triton
@@ -95,6 +99,43 @@ if triton is not None:
         kmask = ks < TOP_K
         tl.store(ids_ptr + t * TOP_K + ks, chosen, mask=kmask)
         tl.store(weights_ptr + t * TOP_K + ks, w * scaling, mask=kmask)
+
+
+    @triton.jit
+    def choose_if_last(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counter_ptr, programs, scaling, E: tl.constexpr,
+                       E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                       K_PAD: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr):
+        """Called by each of `programs` programs once it stored its share of one token's logits: the
+        last to arrive (an acq_rel atomic: the others' stores are visible to it, as in kda_step's
+        split) chooses the token's experts, stores them, and zeroes the counter for the next launch."""
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()  # every thread after the acquire
+            chosen, w = choose(logits_ptr, bias_ptr, 0, 0, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM, SOFTMAX,
+                               GATHER_W)
+            ks = tl.arange(0, K_PAD)
+            tl.store(ids_ptr + ks, chosen, mask=ks < TOP_K)
+            tl.store(weights_ptr + ks, w * scaling, mask=ks < TOP_K)
+
+
+def in_entry_enabled() -> bool:
+    """LATENTSERVE_ROUTE_IN_ENTRY=1 (a candidate, bench/gpu.py's `route_in_entry`): at one row the
+    MoE entry kernel's last router program selects (`choose_if_last`), one launch a layer fewer."""
+    return os.environ.get("LATENTSERVE_ROUTE_IN_ENTRY", "0") == "1" and GUARD.failure is None
+
+
+GUARD = KernelGuard("route_in_entry")  # a first-call failure: the entry and selection launches apart
+_ARRIVALS = ArrivalCounters()
+
+
+def run_in_entry(op, *args):
+    """op(*args), or None when its first call in this process fails (`KernelGuard`)."""
+    return GUARD.call(op, *args)
+
+
+def arrival_counter(device: torch.device) -> torch.Tensor | None:
+    """The zeroed counter `choose_if_last` counts on (None inside a capture that would make it)."""
+    return _ARRIVALS.get(device, 1)
 
 
 def meta(num_experts: int, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, softmax: bool) -> dict:
