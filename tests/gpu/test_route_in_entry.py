@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
+from kernel_env import (
+    DEVICE,
+    GRAPH_SHAPES,
+    INTERPRET,
+    kernel_marks,
+    require_kernel_device,
+    skip_interpreted_16bit_dot,
+)
 
 require_kernel_device()
 
@@ -71,3 +78,42 @@ def test_a_latent_moe_layer_with_the_selection_in_the_entry_kernel(dtype, monkey
     torch.testing.assert_close(got, want[0], **tol)
     torch.testing.assert_close(two, want[1], **tol)
     assert moe_select.GUARD.failure is None
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs and compiled layers")
+def test_decode_graphs_with_the_selection_in_the_entry_kernel(monkeypatch):
+    """`tiny` in bf16, graphs captured with the switch on at 1 and 4 sequences: at 1 no selection
+    kernel in the replay, and each replay (a few, the counter reused) against the eager step with
+    it off."""
+    from service import LLM
+    from service.engine.plan import SeqChunk, StepPlan
+
+    monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "1")
+    llm = LLM(model="tiny", hf_overrides=GRAPH_SHAPES, dtype="bfloat16", device=DEVICE, seed=0,
+              distributed_executor_backend="uni", max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
+    steps = {}
+    try:
+        worker = llm.executor.rank0
+        with torch.inference_mode():
+            for kv in worker.kv_caches:
+                kv.normal_()
+            for rows in (1, 4, 1):
+                chunks = [SeqChunk(i, [7 + i], 20 + 3 * i, [2 * i, 2 * i + 1]) for i in range(rows)]
+                monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "1")
+                before = worker.decode_graphs.replays
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    out = worker.execute(StepPlan(chunks))
+                    torch.cuda.synchronize()
+                assert worker.decode_graphs.replays == before + 1, "the step did not replay a graph"
+                monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "0")
+                steps[len(steps)] = rows, out, worker._eager_forward(chunks, worker.kv_caches), [
+                    e.name for e in prof.events()]
+    finally:
+        llm.shutdown()
+        torch._dynamo.reset()
+    assert moe_select.GUARD.failure is None
+    for rows, out, ref, names in steps.values():
+        assert any("_route_select_kernel" in n for n in names) == (rows > 1), rows
+        rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert rel < 3e-2, (rows, rel)  # bf16, as test_add_norm's graph against eager
+    assert moe_select.arrival_counter(torch.device(DEVICE, 0))[0].item() == 0
