@@ -87,8 +87,8 @@ def pair_norm_max_rows() -> int:
 
 def pair_slots_enabled() -> bool:
     """Where the pair norm runs, the routed experts' slot sum too (MoE._slots_tail). 0.99x at batch 1
-    in runs 51 and 58, inside their noise; the default since runs 105-106 with the rest of
-    bench/gpu.py's `small_stack`. LATENTSERVE_GEMV_PAIR_SLOTS=0: a kernel of its own."""
+    in runs 51 and 58, inside their noise; the default since runs 105-106 with the other switches
+    of bench/gpu.py's `small_stack_off`. LATENTSERVE_GEMV_PAIR_SLOTS=0: a kernel of its own."""
     return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "1") == "1"
 
 

@@ -257,8 +257,9 @@ if triton is not None:
     def _rows_launch(bm: int, k: int, weight_bytes: int) -> dict:
         """The multi-row launch for row tiles of bm. At 16-row tiles (2-16 rows) of 16-bit weights, 32
         outputs a program at 4 stages (run 62, H100, 8 rows: 7.31 us against 16 at 3 stages' 7.98 in
-        the same sweep; gate + up + x 40 KB a stage); the default since runs 105-106 with the rest of
-        bench/gpu.py's `small_stack`, LATENTSERVE_MOE_ENTRY_WIDE_N=0 the 16 at 3 (`entry_narrow_n`).
+        the same sweep; gate + up + x 40 KB a stage); the default since runs 105-106 with the other
+        switches of bench/gpu.py's `small_stack_off`; LATENTSERVE_MOE_ENTRY_WIDE_N=0: 16 at 3
+        (`entry_narrow_n`).
         Not for FP8, whose weight tiles become fp32 registers, nor fp32, whose 80 KB stages overflow
         shared memory at 4 (run 73, H100: 240 KB asked, 227 KB there)."""
         launch = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3,

@@ -134,7 +134,8 @@ def run_in_entry(op, *args):
 
 
 def arrival_counter(device: torch.device) -> torch.Tensor | None:
-    """The zeroed counter `choose_if_last` counts on (None inside a capture that would make it)."""
+    """The zeroed counter `choose_if_last` counts on (None inside a capture that would make it).
+    One a device: a device's entry kernels run one after another, in the engine's one stream."""
     return _ARRIVALS.get(device, 1)
 
 
@@ -155,7 +156,8 @@ def launch_options(e_pad: int) -> dict:
     on one, 32 experts a lane make it 4882-6170 instructions (1844 on 8 with GATHER_W).
     LATENTSERVE_ROUTE_SELECT_GATHER=1: `choose`'s GATHER_W. Both together: 0.98x at batch 1 in runs
     53 and 58, 0.99-1.00x above, inside each run's noise; the defaults since runs 105-106 with the
-    rest of bench/gpu.py's `small_stack`. `0` on both: 4 warps and no gather (`select_4_warps`)."""
+    other switches of bench/gpu.py's `small_stack_off`. `0` on both: 4 warps, no gather
+    (`select_4_warps`)."""
     warps = 4 if e_pad <= 256 else 8
     if e_pad <= 256:
         warps = int(os.environ.get("LATENTSERVE_ROUTE_SELECT_WARPS", "1")) or warps
