@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, GRAPH_SHAPES, INTERPRET, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, GRAPH_SHAPES, INTERPRET, kernel_marks, replay_and_eager, require_kernel_device
 
 require_kernel_device()
 
@@ -110,24 +110,6 @@ def test_tokens_through_the_model_give_the_same_logits(tokens, monkeypatch, spy)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def _replay_and_eager(worker, rows: int, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """One decode step of `rows` sequences replayed (the folds on at capture), the eager step with
-    them off, and the replay's kernel names."""
-    from service.engine.plan import SeqChunk, StepPlan
-
-    chunks = [SeqChunk(i, [7 + i], 20 + 3 * i, [2 * i, 2 * i + 1]) for i in range(rows)]
-    monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "1")
-    with torch.inference_mode():
-        before = worker.decode_graphs.replays
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = worker.execute(StepPlan(chunks))
-            torch.cuda.synchronize()
-        assert worker.decode_graphs.replays == before + 1, "the step did not replay a graph"
-        monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "0")
-        ref = worker._eager_forward(chunks, worker.kv_caches)
-    return out, ref, [e.name for e in prof.events()]
-
-
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs and compiled layers")
 def test_decode_graphs_with_the_folds_match_the_eager_step_without(monkeypatch):
     """`tiny` in bf16, graphs captured with the fold on at 1 and 4 sequences (its kernels at 1, the
@@ -142,7 +124,7 @@ def test_decode_graphs_with_the_folds_match_the_eager_step_without(monkeypatch):
         with torch.inference_mode():
             for kv in worker.kv_caches:
                 kv.normal_()
-        steps = {rows: _replay_and_eager(worker, rows, monkeypatch) for rows in (1, 4)}
+        steps = {rows: replay_and_eager(worker, rows, monkeypatch, "LATENTSERVE_FOLD_ADD_NORM") for rows in (1, 4)}
     finally:
         llm.shutdown()
         torch._dynamo.reset()

@@ -16,6 +16,7 @@ from kernel_env import (
     GRAPH_SHAPES,
     INTERPRET,
     kernel_marks,
+    replay_and_eager,
     require_kernel_device,
     skip_interpreted_16bit_dot,
 )
@@ -86,7 +87,6 @@ def test_decode_graphs_with_the_selection_in_the_entry_kernel(monkeypatch):
     kernel in the replay, and each replay (a few, the counter reused) against the eager step with
     it off."""
     from service import LLM
-    from service.engine.plan import SeqChunk, StepPlan
 
     monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "1")
     llm = LLM(model="tiny", hf_overrides=GRAPH_SHAPES, dtype="bfloat16", device=DEVICE, seed=0,
@@ -97,17 +97,8 @@ def test_decode_graphs_with_the_selection_in_the_entry_kernel(monkeypatch):
         with torch.inference_mode():
             for kv in worker.kv_caches:
                 kv.normal_()
-            for rows in (1, 4, 1):
-                chunks = [SeqChunk(i, [7 + i], 20 + 3 * i, [2 * i, 2 * i + 1]) for i in range(rows)]
-                monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "1")
-                before = worker.decode_graphs.replays
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    out = worker.execute(StepPlan(chunks))
-                    torch.cuda.synchronize()
-                assert worker.decode_graphs.replays == before + 1, "the step did not replay a graph"
-                monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "0")
-                steps[len(steps)] = rows, out, worker._eager_forward(chunks, worker.kv_caches), [
-                    e.name for e in prof.events()]
+        for i, rows in enumerate((1, 4, 1)):
+            steps[i] = rows, *replay_and_eager(worker, rows, monkeypatch, "LATENTSERVE_ROUTE_IN_ENTRY")
     finally:
         llm.shutdown()
         torch._dynamo.reset()
