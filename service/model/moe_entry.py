@@ -368,7 +368,7 @@ if triton is not None:
         ids = torch.empty(1, top_k, dtype=torch.long, device=x.device)
         total = torch.empty_like(x) if add is not None else x.new_empty(0)
         consts = {**moe_select.meta(router.shape[0], n_group, topk_group, top_k, norm_topk_prob, softmax),
-                  "GATHER_W": moe_select.launch_options(1)["GATHER_W"]}
+                  "GATHER_W": moe_select.gather_w()}
         fold = (add, norm_weight, eps, total) if add is not None else None
         counter = moe_select.arrival_counter(x.device)
         select = (bias, weights, ids, counter, consts, scaling) if counter is not None else None

@@ -161,7 +161,12 @@ def launch_options(e_pad: int) -> dict:
     warps = 4 if e_pad <= 256 else 8
     if e_pad <= 256:
         warps = int(os.environ.get("LATENTSERVE_ROUTE_SELECT_WARPS", "1")) or warps
-    return {"num_warps": warps, "GATHER_W": os.environ.get("LATENTSERVE_ROUTE_SELECT_GATHER", "1") == "1"}
+    return {"num_warps": warps, "GATHER_W": gather_w()}
+
+
+def gather_w() -> bool:
+    """`choose`'s GATHER_W (LATENTSERVE_ROUTE_SELECT_GATHER, `launch_options`)."""
+    return os.environ.get("LATENTSERVE_ROUTE_SELECT_GATHER", "1") == "1"
 
 
 def select(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_group: int,
