@@ -8,7 +8,9 @@ norm), `g` (the norm weight's multiply), `store` (the new stream x + add written
 one program) or `store_after` (after the loop, each program a share of the columns), `prepass` (the
 sums of squares in a pass over the rows before the loop, as gemv.py's NORM does). Runs 107-108
 (H100, 8 rows, 2112 x 2048): the unfused pair ~5.9 us; squares alone made the loop 14, the store
-inside it 23, the best whole fold (prepass, store_after) 10.4.
+inside it 23, the best whole fold (prepass, store_after) 11.1 (10.4 at 16 rows). That probe timed
+20 calls a graph by the host clock; this bench times them with CUDA events, best of 3, as
+bench/gemv.py's graph_seconds does.
 
     python bench/norm_in_loop.py [--rows 8 16] [--n 2112] [--k 2048]
 """
@@ -17,11 +19,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
+import os
+import sys
 
 import torch
 
-from service.model import gemv, pdl  # noqa: F401 (gemv registers latentserve::gemv)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from gemv import graph_seconds  # noqa: E402
+
+from service.model import gemv, pdl  # noqa: E402, F401 (gemv registers latentserve::gemv)
 
 try:
     import triton
@@ -85,21 +94,9 @@ if triton is not None:
         return x.to(tl.float32)
 
 
-def graph_us(fn, calls: int = 20, reps: int = 20) -> float:
-    """Microseconds a call, `calls` calls captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (calls * reps) * 1e6
+def graph_us(fn, calls: int = 20) -> float:
+    """Microseconds a call, `calls` calls captured in one CUDA graph (bench/gemv.py's graph_seconds)."""
+    return graph_seconds(lambda _: fn(), range(calls)) * 1e6
 
 
 def launch(bufs: tuple, n: int, bk: int, variant: tuple) -> None:
