@@ -377,10 +377,10 @@ class MoE(nn.Module):
         return latent, h, *self.gate.select(logits)
 
     def _entry_select(self, x: torch.Tensor, add: torch.Tensor | None, norm: RMSNorm | None, weights: tuple):
-        """One row, 16/32-bit weights, LATENTSERVE_ROUTE_IN_ENTRY=1: the entry kernel (with add, of
-        norm(x + add)) choosing the experts too (moe_select.choose_if_last); else None."""
+        """Up to LATENTSERVE_ROUTE_IN_ENTRY rows, 16/32-bit weights: the entry kernel (with add, one
+        row: of norm(x + add)) choosing the experts too (moe_select.choose_if_last); else None."""
         gate = self.gate
-        if not (moe_select.in_entry_enabled() and x.shape[0] == 1
+        if not (moe_select.in_entry_takes(x.shape[0], gate.weight.shape[0], moe_entry.row_block(x.shape[0]))
                 and moe_kernels.select_supported(x, gate.weight.shape[0], gate.n_group)):
             return None
         shared = self.shared_experts

@@ -1,7 +1,8 @@
-"""The expert selection inside the MoE entry kernel at one row (LATENTSERVE_ROUTE_IN_ENTRY,
-moe_select.choose_if_last): the same experts and weights as the entry op followed by the
-selection kernel, with and without the add-norm fold, the arrival counter zero again after; and a
-latent MoE layer's output unchanged with the switch on, the selection's own launch gone.
+"""The expert selection inside the MoE entry kernel (LATENTSERVE_ROUTE_IN_ENTRY=N: up to N rows,
+moe_select.choose_if_last, one selection a row block): the same experts and weights as the entry op
+followed by the selection kernel, at one row with and without the add-norm fold and on 16- and
+64-row blocks, the arrival counters zero again after; and a latent MoE layer's output unchanged
+with the switch on, the selection's own launch gone.
 
 Runs on CUDA, or on a CPU with Triton installed and TRITON_INTERPRET=1 (kernels interpreted: the
 programs run in turn, so the last router program is the last to arrive).
@@ -32,12 +33,14 @@ EPS = 1e-6
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("experts,n_group,topk_group,top_k,norm,softmax", [
     (64, 8, 4, 6, True, False), (48, 1, 1, 8, False, True), (20, 1, 1, 4, True, False)])
-@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("rows,fold", [(1, False), (1, True), (5, False), (70, False)])
 def test_selection_in_the_entry_kernel_is_the_selection_kernels(dtype, experts, n_group, topk_group, top_k, norm,
-                                                                softmax, fold):
+                                                                softmax, rows, fold):
+    if rows > 1:
+        skip_interpreted_16bit_dot(dtype)
     g = torch.Generator().manual_seed(experts + top_k)
     k = 300
-    x, add = (torch.randn(1, k, generator=g).to(DEVICE, dtype) for _ in range(2))
+    x, add = (torch.randn(rows, k, generator=g).to(DEVICE, dtype) for _ in range(2))
     norm_w = (1 + torch.randn(k, generator=g) / 4).to(DEVICE, dtype)
     down, shared, router = ((torch.randn(rows, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
                             for rows in (40, 48, experts))
@@ -55,13 +58,14 @@ def test_selection_in_the_entry_kernel_is_the_selection_kernels(dtype, experts, 
     # the normalization's sum over the k weights may add in another order on 4 warps than on one
     torch.testing.assert_close(got[2], want_w, atol=0, rtol=1e-6)
     assert torch.equal(got[4], total) if fold else got[4].numel() == 0
-    assert moe_select.arrival_counter(x.device)[0].item() == 0
+    assert not moe_select.arrival_counters(x.device, 2).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_latent_moe_layer_with_the_selection_in_the_entry_kernel(dtype, monkeypatch, spy):
     """k3-tiny's latent MoE at one token: the same output, one entry launch and no selection launch;
-    at two tokens the switch changes nothing (the entry's rows kernel, then the selection)."""
+    at two tokens the switch at 1 changes nothing (the entry's rows kernel, then the selection), and
+    at 16 the rows kernel selects too."""
     from test_moe_entry import latent_moe_layer
 
     skip_interpreted_16bit_dot(dtype)
@@ -75,20 +79,25 @@ def test_a_latent_moe_layer_with_the_selection_in_the_entry_kernel(dtype, monkey
         assert (len(fused), len(selects)) == (1, 0)
         two = layer(torch.cat([x[:1], x[:1]]))
         assert (len(fused), len(selects)) == (1, 1)
+        monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "16")
+        two_in_entry = layer(torch.cat([x[:1], x[:1]]))
+        assert (len(fused), len(selects)) == (2, 1)
     tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got, want[0], **tol)
     torch.testing.assert_close(two, want[1], **tol)
+    torch.testing.assert_close(two_in_entry, want[1], **tol)
     assert moe_select.GUARD.failure is None
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs and compiled layers")
-def test_decode_graphs_with_the_selection_in_the_entry_kernel(monkeypatch):
-    """`tiny` in bf16, graphs captured with the switch on at 1 and 4 sequences: at 1 no selection
-    kernel in the replay, and each replay (a few, the counter reused) against the eager step with
-    it off."""
+@pytest.mark.parametrize("max_rows", [1, 16])
+def test_decode_graphs_with_the_selection_in_the_entry_kernel(monkeypatch, max_rows):
+    """`tiny` in bf16, graphs captured with the switch at `max_rows`, at 1 and 4 sequences: no
+    selection kernel in a replay of up to max_rows, and each replay (a few, the counters reused)
+    against the eager step with it off."""
     from service import LLM
 
-    monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", "1")
+    monkeypatch.setenv("LATENTSERVE_ROUTE_IN_ENTRY", str(max_rows))
     llm = LLM(model="tiny", hf_overrides=GRAPH_SHAPES, dtype="bfloat16", device=DEVICE, seed=0,
               distributed_executor_backend="uni", max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
     steps = {}
@@ -97,14 +106,14 @@ def test_decode_graphs_with_the_selection_in_the_entry_kernel(monkeypatch):
         with torch.inference_mode():
             for kv in worker.kv_caches:
                 kv.normal_()
-        for i, rows in enumerate((1, 4, 1)):
-            steps[i] = rows, *replay_and_eager(worker, rows, monkeypatch, "LATENTSERVE_ROUTE_IN_ENTRY")
+        for i, rows in enumerate((1, 4, 1, 4)):
+            steps[i] = rows, *replay_and_eager(worker, rows, monkeypatch, "LATENTSERVE_ROUTE_IN_ENTRY", str(max_rows))
     finally:
         llm.shutdown()
         torch._dynamo.reset()
     assert moe_select.GUARD.failure is None
     for rows, out, ref, names in steps.values():
-        assert any("_route_select_kernel" in n for n in names) == (rows > 1), rows
+        assert any("_route_select_kernel" in n for n in names) == (rows > max_rows), rows
         rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         assert rel < 3e-2, (rows, rel)  # bf16, as test_add_norm's graph against eager
-    assert moe_select.arrival_counter(torch.device(DEVICE, 0))[0].item() == 0
+    assert not moe_select.arrival_counters(torch.device(DEVICE, 0), 1).any()
