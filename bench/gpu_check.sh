@@ -7,7 +7,7 @@
 # 47; bench/persistent_probe.py and bench/mixed_steps.py stay for reruns by hand. `all` runs
 # the bench first, so a short budget still measures. `sweeps` (a call
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
-# own shape, and the GEMV at 128 and 256 rows. `k3_tests` is the gate for Kimi-K3's step kernel as
+# own shape, and the GEMV at 128 and 256 rows (or, with TESTS=..., those GPU tests instead). `k3_tests` is the gate for Kimi-K3's step kernel as
 # a default: greedy tokens in CUDA graphs against eager with the K3 switches on, and the KDA
 # layer's graph replays (runs 55-56: the step kernel diverged in graphs; run 57: fixed, passes). Give
 # it a whole call (~560 s): run 56 ran out at 571 s before its bf16 cases, with builds since cut. `fp8`: FP8 decode
@@ -146,9 +146,13 @@ if [ "$what" = sweeps ]; then  # launch shapes that only a GPU can choose: group
   timeout "$(( $(left) > 330 ? 330 : $(left) ))" python3 bench/moe_grouped.py --m 8,64,256 --sweep --iters 100 \
     > "$OUT/moe_grouped_sweep.log" 2>&1
   echo "== moe_grouped sweep rc=$?"; grep -E "^M=|^best" "$OUT/moe_grouped_sweep.log" | cut -c1-400
-  timeout "$(( $(left) - 10 ))" python3 bench/gemv.py --rows 128 256 --sweep \
-    --shapes fused_qkv_a q_b o_proj latent_up shared_down --json "$OUT/gemv_256.json" > "$OUT/gemv_256.log" 2>&1
-  echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
+  if [ -n "${TESTS:-}" ]; then  # TESTS="tests/gpu/x.py ...": those instead of the GEMV sweep
+    group tests "$(left)" $TESTS
+  else
+    timeout "$(( $(left) - 10 ))" python3 bench/gemv.py --rows 128 256 --sweep \
+      --shapes fused_qkv_a q_b o_proj latent_up shared_down --json "$OUT/gemv_256.json" > "$OUT/gemv_256.log" 2>&1
+    echo "== gemv sweep rc=$?"; cut -c1-300 "$OUT/gemv_256.log" | grep -v "^ "
+  fi
 fi
 if [ "$what" = small_rows ]; then  # the two kernels furthest over their bytes at 1 and 8 sequences
   # Run 58's no-PDL profile: the MLA split kernel 10.0 / 13.5 us a layer for 0.3 / 2.2 us of KV at
