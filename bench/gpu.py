@@ -624,6 +624,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # experts' bytes, so a block's choice of 1150-4100 instructions ends under them); at 256
              # the router programs run in the last wave, so the choice may end after the rest.
              "route_in_entry": {"LATENTSERVE_ROUTE_IN_ENTRY": "1"},
+             # The grouped experts' table row for up to 12 pairs an expert (batches 8-96) before run 112's
+             # sweep moved its K step to 128: the build before, at 8 and 64 (at 256 this forces 16-row
+             # blocks where the table has 64, so that column is not the build before).
+             "grouped_k64": {"LATENTSERVE_MOE_GROUPED_CONFIG": "16,64,64,4,4"},
              "route_in_entry_16": {"LATENTSERVE_ROUTE_IN_ENTRY": "16"},
              "route_in_entry_64": {"LATENTSERVE_ROUTE_IN_ENTRY": "64"},
              "route_in_entry_256": {"LATENTSERVE_ROUTE_IN_ENTRY": "256"},

@@ -45,7 +45,9 @@ if triton is not None:
 # BLOCK_K, num_warps, num_stages). Retune with bench/moe_grouped.py --sweep;
 # LATENTSERVE_MOE_GROUPED_CONFIG="16,64,64,4,4" overrides the table.
 CONFIGS: list[tuple[float, int, int, int, int, int]] = [
-    (12, 16, 64, 64, 4, 4),   # small preset (64 experts, top 8): M <= 96 (8 rows per expert at 64)
+    # small preset (64 experts, top 8): M <= 96 (8 rows per expert at 64). 128-wide K steps: run 112's
+    # sweep (H100, 2026-12-07) 76.0 -> 72.4 us at M=8 and 120.6 -> 114.0 at 64 against 64-wide.
+    (12, 16, 64, 128, 4, 4),
     (24, 32, 64, 64, 4, 4),   # M <= 192
     (64, 64, 64, 64, 4, 4),   # M <= 512: wgmma-sized row blocks
     # Prefill: bench/moe_grouped.py --m 8192 --sweep on the H200 (2026-12-03, run 15): 920 us a
