@@ -617,20 +617,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # the control. Its 2-16 row kernels lost (1.37x at batch 8) and are gone (runs 107-108,
              # bench/norm_in_loop.py).
              "fold_add_norm_off": {"LATENTSERVE_FOLD_ADD_NORM": "0"},
-             # The expert selection inside the MoE entry kernel, by the last router program of each row
-             # block (moe_select.choose_if_last): one launch a MoE layer fewer, the selection's ~3 us
-             # under the other programs' weight streams. Up to 1 / 16 / 64 / 256 rows; predicted ~0.95x
-             # at batch 1, ~0.97-0.98x at 8 and 64 (the router programs stream half the shared
-             # experts' bytes, so a block's choice of 1150-4100 instructions ends under them); at 256
-             # the router programs run in the last wave, so the choice may end after the rest.
-             "route_in_entry": {"LATENTSERVE_ROUTE_IN_ENTRY": "1"},
              # The grouped experts' table row for up to 12 pairs an expert (batches 8-96) before run 112's
              # sweep moved its K step to 128: the build before, at 8 and 64 (at 256 this forces 16-row
              # blocks where the table has 64, so that column is not the build before).
              "grouped_k64": {"LATENTSERVE_MOE_GROUPED_CONFIG": "16,64,64,4,4"},
-             "route_in_entry_16": {"LATENTSERVE_ROUTE_IN_ENTRY": "16"},
-             "route_in_entry_64": {"LATENTSERVE_ROUTE_IN_ENTRY": "64"},
-             "route_in_entry_256": {"LATENTSERVE_ROUTE_IN_ENTRY": "256"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

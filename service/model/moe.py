@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import TPGroup
 from ..tail.base import TailRunner, latent_norm
-from . import add_norm, cpu_kernels, dense_mm, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels, moe_select
+from . import add_norm, cpu_kernels, dense_mm, fp8_moe, gemv, moe_entry, moe_grouped, moe_kernels
 from .fusion import fused
 from .layers import GatedMLP, KeepFloat32, ReplicatedLinear, RMSNorm, act_and_mul, act_params, frozen
 
@@ -39,12 +39,9 @@ class TopkRouter(KeepFloat32, nn.Module):
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights and ids from fp32 logits computed elsewhere (moe_entry), on the device."""
-        return torch.ops.latentserve.moe_route_select(logits, *self.selection())
-
-    def selection(self) -> tuple:
-        """The selection's arguments after the logits: bias, groups, top-k, normalization, scaling."""
-        return (self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k, self.norm_topk_prob,
-                float(self.scaling), self.softmax)
+        return torch.ops.latentserve.moe_route_select(logits, self.e_score_correction_bias, self.n_group,
+                                                      self.topk_group, self.top_k, self.norm_topk_prob,
+                                                      float(self.scaling), self.softmax)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (weights [M, k] fp32, expert ids [M, k])."""
@@ -245,11 +242,12 @@ class MoE(nn.Module):
             self.tail = tail if tail is not None else TailRunner(layer_idx, tp, "off")
 
     def forward(self, x: torch.Tensor, entry: tuple | None = None) -> torch.Tensor:
-        """entry: `_entry`'s outputs for x, computed by the caller (`folded`)."""
+        """entry: `moe_entry`'s outputs for x, computed by the caller (`folded`)."""
         norm = self._norm_weight() if self.latent else None
         entry = entry if entry is not None else self._entry(x)
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
-            latent, h, weights, ids = entry
+            latent, h, logits = entry
+            weights, ids = self.gate.select(logits)
             out = self._slots_tail(latent, weights, ids, h, norm)
             if out is not None:
                 return out
@@ -331,17 +329,13 @@ class MoE(nn.Module):
         weights = self._entry_weights(h, (None, None))  # FP8 weights fail it and keep the compiled norm
         if weights is None:
             return None
-        out = self._entry_select(h, add, norm, weights)
-        if out is not None:
-            *entry, h = out
-            return h, self.forward(h, entry=tuple(entry))
         shared = self.shared_experts
         out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm, h, add, norm.weight, norm.eps, *weights,
                            shared.act_name, shared.act_beta, shared.act_linear_beta)
         if out is None:
             return None
-        latent, act, logits, h = out
-        return h, self.forward(h, entry=(latent, act, *self.gate.select(logits)))
+        *entry, h = out
+        return h, self.forward(h, entry=tuple(entry))
 
     def _entry_weights(self, x: torch.Tensor, scales: tuple) -> tuple | None:
         """(latent down, shared gate/up, router) weights when the entry kernel takes x with them
@@ -356,35 +350,13 @@ class MoE(nn.Module):
         return weights
 
     def _entry(self, x: torch.Tensor):
-        """(latent, shared experts' activation, router weights, expert ids) from one kernel (and the
-        selection's own launch, unless `_entry_select` runs), or None."""
+        """(latent, shared experts' activation, router logits) from one kernel, or None."""
         if not (self.latent and self.shared_experts is not None):
             return None
         scales = self.routed_expert_down_proj.weight_scale_inv, self.shared_experts.gate_up_proj.weight_scale_inv  # FP8
         weights = self._entry_weights(x, scales)
         if weights is None:
             return None
-        if all(s is None for s in scales):  # 16/32-bit weights
-            out = self._entry_select(x, None, None, weights)
-            if out is not None:
-                return out[:4]
         shared = self.shared_experts
-        out = moe_kernels.call(torch.ops.latentserve.moe_entry, x, *weights, shared.act_name, shared.act_beta,
-                               shared.act_linear_beta, *scales)
-        if out is None:
-            return None
-        latent, h, logits = out
-        return latent, h, *self.gate.select(logits)
-
-    def _entry_select(self, x: torch.Tensor, add: torch.Tensor | None, norm: RMSNorm | None, weights: tuple):
-        """Up to LATENTSERVE_ROUTE_IN_ENTRY rows, 16/32-bit weights: the entry kernel (with add, one
-        row: of norm(x + add)) choosing the experts too (moe_select.choose_if_last); else None."""
-        gate = self.gate
-        if not (moe_select.in_entry_takes(x.shape[0], gate.weight.shape[0], moe_entry.row_block(x.shape[0]))
-                and moe_kernels.select_supported(x, gate.weight.shape[0], gate.n_group)):
-            return None
-        shared = self.shared_experts
-        return moe_select.run_in_entry(torch.ops.latentserve.moe_entry_select, x, add,
-                                       norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
-                                       *weights, shared.act_name, shared.act_beta, shared.act_linear_beta,
-                                       *gate.selection())
+        return moe_kernels.call(torch.ops.latentserve.moe_entry, x, *weights, shared.act_name, shared.act_beta,
+                                shared.act_linear_beta, *scales)

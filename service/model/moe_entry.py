@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..weights import fp8 as fmt
-from . import act_kernels, add_norm, fp8, gemv, moe_kernels, moe_select, pdl
+from . import act_kernels, add_norm, fp8, gemv, moe_kernels, pdl
 
 try:
     import triton
@@ -41,11 +41,6 @@ def max_rows() -> int:
     router ran: batch 256 1.00x in time, 25.8 -> 22.9 kernels a layer (run 45; 64 is the bench's
     `entry_rows_64` baseline)."""
     return int(os.environ.get("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "256"))
-
-
-def row_block(rows: int) -> int:
-    """The rows a program of the entry kernel multiplies: 1, or `gemv.rows_tile`'s tensor-core tile."""
-    return 1 if rows == 1 else gemv.rows_tile(rows, True)
 
 
 def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor,
@@ -124,16 +119,10 @@ if triton is not None:
                       K, L, INTER, E, stride_d, stride_s, stride_r, stride_ds, stride_ss, beta, linear_beta,
                       add_ptr, g_ptr, sum_ptr, eps, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      SUB: tl.constexpr, FOLD: tl.constexpr = False, bias_ptr=None, weights_ptr=None, ids_ptr=None,
-                      counter_ptr=None, scaling=1.0, SELECT: tl.constexpr = False, E_SEL: tl.constexpr = 1,
-                      E_PAD: tl.constexpr = 1, N_GROUP: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
-                      TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, NORM: tl.constexpr = False,
-                      SOFTMAX: tl.constexpr = False, GATHER_W: tl.constexpr = False):
+                      SUB: tl.constexpr, FOLD: tl.constexpr = False):
         # Each branch waits for the previous kernel (pdl.enter) after its first weight tile. FP8:
         # down and shared are block-scaled (BN x BK blocks, SUB-wide scale runs a K step). FOLD:
         # the input is rms_norm(x + add, g) (add_norm.py), and program 0 writes x + add to sum.
-        # SELECT: the last router program chooses the experts (moe_select.choose_if_last, `choose`'s
-        # constexprs, E_SEL the experts), the other programs' weight streams still running.
         pid = tl.program_id(0)
         kblocks = tl.cdiv(K, BK)
         p_down = tl.cdiv(L, BLOCK_N)
@@ -181,11 +170,6 @@ if triton is not None:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL, add_ptr, g_ptr,
                                                   eps, FOLD), mask=n < E)
-            if SELECT:
-                row = tl.arange(0, 1)
-                moe_select.choose_if_last(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counter_ptr, tl.cdiv(E, BLOCK_N),
-                                          row, row == 0, E, scaling, 1, E_SEL, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD,
-                                          NORM, SOFTMAX, GATHER_W)
 
     @triton.jit
     def _tile(w, s_ptr, n, k0, stride_s, kblocks, nmask, dtype: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr,
@@ -203,19 +187,14 @@ if triton is not None:
                            shared_s_ptr, M, K, L, INTER, E, stride_x, stride_d, stride_s, stride_r, stride_ds, stride_ss,
                            beta, linear_beta, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                           FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, bias_ptr=None,
-                           weights_ptr=None, ids_ptr=None, counter_ptr=None, scaling=1.0, SELECT: tl.constexpr = False,
-                           E_SEL: tl.constexpr = 1, E_PAD: tl.constexpr = 1, N_GROUP: tl.constexpr = 1,
-                           TOPK_GROUP: tl.constexpr = 1, TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-                           NORM: tl.constexpr = False, SOFTMAX: tl.constexpr = False, GATHER_W: tl.constexpr = False):
+                           FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
         """`_entry_kernel` from 2 rows: programs split the three weights' rows between them and
         multiply a block of rows (padded to a 16 or 64-row tile) on tensor cores, as gemv.py's
         tiles do; the shared experts' gate and up tiles share one pass, the activation in the
         epilogue. Row blocks are the grid's first axis, so the blocks reading one weight tile
         run side by side and all but the first find it in L2. Outputs are row-major [M, L],
         [M, INTER], [M, E]. FP8: each weight tile scaled in fp32 and rounded to x's dtype for the
-        dot, as the FP8 GEMV's tiles (fp8.rows_times). SELECT: the last router program of each row
-        block chooses the block's experts, as `_entry_kernel`'s (a counter a row block)."""
+        dot, as the FP8 GEMV's tiles (fp8.rows_times)."""
         pid = tl.program_id(1)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
@@ -264,10 +243,6 @@ if triton is not None:
             acc = gemv._rows_times(x_ptr, router_ptr, m, n, mmask, n < E, K, stride_x, stride_r, BLOCK_M, BLOCK_N,
                                    BLOCK_K, True, IEEE, PDL)
             tl.store(logits_ptr + m[:, None] * E + n[None, :], acc, mask=mmask[:, None] & (n < E)[None, :])
-            if SELECT:
-                moe_select.choose_if_last(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counter_ptr + tl.program_id(0),
-                                          tl.cdiv(E, BLOCK_N), m, mmask, E, scaling, BLOCK_M, E_SEL, E_PAD, N_GROUP,
-                                          TOPK_GROUP, TOP_K, K_PAD, NORM, SOFTMAX, GATHER_W)
 
     def _rows_launch(bm: int, k: int, weight_bytes: int) -> dict:
         """The multi-row launch for row tiles of bm. At 16-row tiles (2-16 rows) of 16-bit weights, 32
@@ -286,11 +261,10 @@ if triton is not None:
         return launch
 
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None,
-               cfg=None, fold=None, select=None):
+               cfg=None, fold=None):
         """cfg overrides the multi-row launch (BLOCK_N, BLOCK_K, num_warps, num_stages): bench/moe_entry.py's
         sweep. fold: (add, norm weight, eps, out), 16/32-bit weights: the input is rms_norm(x + add),
-        and x + add goes to out (`entry_add_norm`). select: (bias, weights, ids, counter, `choose`'s
-        constexprs, scaling): the experts chosen in the kernel (`entry_select`)."""
+        and x + add goes to out (`entry_add_norm`)."""
         m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
         latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
@@ -303,14 +277,9 @@ if triton is not None:
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if fold is not None and (is_fp8 or m > 1):
             raise ValueError("the add-norm fold takes one row of 16/32-bit weights")
-        sel = {}
-        if select is not None:
-            bias, weights, ids, counter, consts, scaling = select
-            sel = dict(bias_ptr=bias, weights_ptr=weights, ids_ptr=ids, counter_ptr=counter, scaling=float(scaling),
-                       SELECT=True, E_SEL=consts.pop("E"), **consts)
         add, g, eps, total = fold if fold is not None else (x, x, 0.0, x)  # unread without FOLD
         if m > 1:
-            bm = row_block(m)
+            bm = gemv.rows_tile(m, True)
             launch = {**_rows_launch(bm, k, down.element_size()), **(cfg or {})}
             bn, bk = launch["BLOCK_N"], launch["BLOCK_K"]
             grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
@@ -318,7 +287,7 @@ if triton is not None:
                 x, down, shared_gate_up, router, latent, h, logits, *scales, m, k, latent_dim, inter, experts,
                 x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides, float(beta),
                 float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm,
-                IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), **launch, **sel,
+                IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), **launch,
                 **pdl.launch(x.device))
             return latent, h, logits
         # As the one-row GEMV since run 39, each program's whole K slice (up to 2048) in one step,
@@ -334,7 +303,7 @@ if triton is not None:
                                float(beta), float(linear_beta or 1.0), add, g, total, float(eps), ACT=gemv.ACTS[act],
                                CLIP_UP=linear_beta is not None, BLOCK_N=bn, BLOCK_K=bk, FP8=is_fp8, BN=bn_s, BK=bk_s,
                                SUB=min(bk_s, bk), FOLD=fold is not None, num_warps=4, num_stages=4,
-                               **sel, **pdl.launch(x.device))
+                               **pdl.launch(x.device))
         return latent, h, logits
 
     @torch.library.custom_op("latentserve::moe_entry", mutates_args=())
@@ -366,37 +335,3 @@ if triton is not None:
         m = x.shape[0]
         return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
                 x.new_empty(m, router.shape[0], dtype=torch.float32), torch.empty_like(x))
-
-    @torch.library.custom_op("latentserve::moe_entry_select", mutates_args=())
-    def entry_select(x: torch.Tensor, add: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-                     down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor, act: str, beta: float,
-                     linear_beta: float | None, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                     norm_topk_prob: bool, scaling: float, softmax: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`entry` (with add, one row: of rms_norm(x + add), as `entry_add_norm`) whose last router
-        program of each row block also chooses the block's experts (LATENTSERVE_ROUTE_IN_ENTRY):
-        (latent, h, weights [M, k] fp32 scaled, ids [M, k], x + add; without add an empty tensor).
-        A first call inside a CUDA graph capture that would need more arrival counters than there
-        are: the selection then runs as its own launch."""
-        m = x.shape[0]
-        weights = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-        ids = torch.empty(m, top_k, dtype=torch.long, device=x.device)
-        total = torch.empty_like(x) if add is not None else x.new_empty(0)
-        consts = {**moe_select.meta(router.shape[0], n_group, topk_group, top_k, norm_topk_prob, softmax),
-                  "GATHER_W": moe_select.gather_w()}
-        fold = (add, norm_weight, eps, total) if add is not None else None
-        blocks = triton.cdiv(m, row_block(m))
-        counters = moe_select.arrival_counters(x.device, blocks)
-        select = (bias, weights, ids, counters, consts, scaling) if counters is not None else None
-        latent, h, logits = _entry(x, down, shared_gate_up, router, act, beta, linear_beta, fold=fold, select=select)
-        if select is None:
-            moe_select.select(logits, bias, weights, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
-        return latent, h, weights, ids, total
-
-    @entry_select.register_fake
-    def _(x, add, norm_weight, eps, down, shared_gate_up, router, act, beta, linear_beta, bias, n_group, topk_group,
-          top_k, norm_topk_prob, scaling, softmax):
-        m = x.shape[0]
-        return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
-                x.new_empty(m, top_k, dtype=torch.float32), x.new_empty(m, top_k, dtype=torch.long),
-                torch.empty_like(x) if add is not None else x.new_empty(0))

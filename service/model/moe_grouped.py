@@ -39,16 +39,18 @@ if triton is not None:
 
 # Block sizes by mean (token, slot) pairs per expert, M * top_k / E (the token count scaled to the
 # model: what decides how many row blocks read an expert's weight tiles). Decode is bandwidth-bound:
-# BLOCK_M should hold most experts' rows so each weight tile is read once, and 64-wide K steps in
-# 4 stages keep 2-3 programs per SM, one program's start hiding behind another's stream. Prefill
+# BLOCK_M should hold most experts' rows so each weight tile is read once, and 64-128-wide K steps
+# in 4 stages keep 1-3 programs per SM, one program's start hiding behind another's stream. Prefill
 # is compute-bound: big tiles. Rows: (up to this many pairs per expert, BLOCK_M, BLOCK_N,
 # BLOCK_K, num_warps, num_stages). Retune with bench/moe_grouped.py --sweep;
 # LATENTSERVE_MOE_GROUPED_CONFIG="16,64,64,4,4" overrides the table.
 CONFIGS: list[tuple[float, int, int, int, int, int]] = [
-    # small preset (64 experts, top 8): M <= 96 (8 rows per expert at 64). 128-wide K steps: run 112's
-    # sweep (H100, 2026-12-07) 76.0 -> 72.4 us at M=8 and 120.6 -> 114.0 at 64 against 64-wide.
-    (12, 16, 64, 128, 4, 4),
-    (24, 32, 64, 64, 4, 4),   # M <= 192
+    # small preset (64 experts, top 8): M <= 192 (8 rows per expert at 64). 16-row blocks in 128-wide K
+    # steps, the sweeps' best at M = 8, 16, 64 and 128 (runs 112 and 115, H100, 2026-12-07). The rows
+    # before (16 x 64 x 64 up to 96 pairs, 32 x 64 x 64 up to 192): 76.0 against 72.4 us at M=8; at 64
+    # and 128 not among the 8 best (over 117.3 and 121.3 us, against 114.0 and 118.6). The step: 0.98x
+    # at batches 8 and 64 against the row before (run 113).
+    (24, 16, 64, 128, 4, 4),
     (64, 64, 64, 64, 4, 4),   # M <= 512: wgmma-sized row blocks
     # Prefill: bench/moe_grouped.py --m 8192 --sweep on the H200 (2026-12-03, run 15): 920 us a
     # layer (336 TFLOP/s) against 1156 us for (128, 64, 64, 8, 4), the best of 10 prefill tiles.

@@ -1,14 +1,11 @@
 """The MoE router's expert selection, as a Triton kernel of its own.
 
-`choose` takes a block of tokens' fp32 router logits to their experts and weights: sigmoid or
+`choose` takes one token's fp32 router logits to its experts and their weights: sigmoid or
 softmax scores, the correction bias, the group-limited choice (top-2 sum a group, the top
 groups), the top-k by repeated argmax, the chosen experts' unbiased scores (normalized). Same
-math as moe.route; every reduction runs along the experts' axis, so a block of tokens takes
-one token's dependent chain. `select` launches it as a kernel of its own, one program a token (the router's
+math as moe.route. `select` launches it as a kernel of its own, one program a token (the router's
 second kernel, moe_kernels.route). Running it inline in every gate/up program instead, one launch
 fewer a layer, was 1.14x slower at batch 8 on the H200 (bench/RESULTS.md, run 43).
-`choose_if_last` runs it once a row block, in the last of the MoE entry kernel's router programs
-(LATENTSERVE_ROUTE_IN_ENTRY=N: up to N rows, a candidate).
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ import os
 import torch
 
 from . import pdl
-from .counters import ArrivalCounters
-from .kernel_guard import KernelGuard
 
 try:
     import triton
@@ -31,62 +26,59 @@ except ImportError:  # CPU-only installs
 if triton is not None:
 
     @triton.jit
-    def choose(logits_ptr, bias_ptr, m, mmask, stride_l, BLOCK_M: tl.constexpr, E: tl.constexpr,
-                    E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                    K_PAD: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr = False):
-        """Rows m's experts [BLOCK_M, K_PAD] and weights before scaling: scores, bias, groups,
-        top-k, every reduction along the experts' axis, so BLOCK_M tokens take one token's chain.
+    def choose(logits_ptr, bias_ptr, t, stride_l, E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+               TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
+               SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr = False):
+        """Token t's experts [K_PAD] and weights before scaling: scores, bias, groups, top-k.
         GATHER_W: the chosen experts' scores recomputed from their logits, reloaded (from L1) after
         the top-k loop, where each pick otherwise sums its score out of all E (a reduction a pick
         on the selection's dependent chain); the same expression on the same values, so bit-equal."""
         e = tl.arange(0, E_PAD)
         emask = e < E
-        rows = logits_ptr + m[:, None] * stride_l
-        logits = tl.load(rows + e[None, :], mask=mmask[:, None] & emask[None, :], other=0.0)
+        logits = tl.load(logits_ptr + t * stride_l + e, mask=emask, other=0.0)
         if SOFTMAX:
-            z = tl.where(emask[None, :], logits, float("-inf"))
-            z_max = tl.max(z, 1)
-            z = tl.exp(z - z_max[:, None])
-            z_sum = tl.sum(z, 1)
-            scores = z / z_sum[:, None]
+            z = tl.where(emask, logits, float("-inf"))
+            z_max = tl.max(z, 0)
+            z = tl.exp(z - z_max)
+            z_sum = tl.sum(z, 0)
+            scores = z / z_sum
         else:
             scores = tl.sigmoid(logits)
         bias = tl.load(bias_ptr + e, mask=emask, other=0.0)
-        choice = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
+        choice = tl.where(emask, scores + bias, float("-inf"))
         if N_GROUP > 1:
             per: tl.constexpr = E_PAD // N_GROUP
-            grouped = tl.reshape(choice, [BLOCK_M, N_GROUP, per])
+            grouped = tl.reshape(choice, [N_GROUP, per])
             col = tl.arange(0, per)
-            first = tl.argmax(grouped, 2)
-            top1 = tl.max(grouped, 2)
-            top2 = tl.max(tl.where(col[None, None, :] == first[:, :, None], float("-inf"), grouped), 2)
+            first = tl.argmax(grouped, 1)
+            top1 = tl.max(grouped, 1)
+            top2 = tl.max(tl.where(col[None, :] == first[:, None], float("-inf"), grouped), 1)
             gscore = top1 + top2
             g = tl.arange(0, N_GROUP)
-            keep = tl.zeros([BLOCK_M, N_GROUP], tl.int1)
+            keep = tl.zeros([N_GROUP], tl.int1)
             for _ in tl.static_range(TOPK_GROUP):
-                best = tl.argmax(tl.where(keep, float("-inf"), gscore), 1)
-                keep = keep | (g[None, :] == best[:, None])
-            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [BLOCK_M, N_GROUP, per]), [BLOCK_M, E_PAD])
+                best = tl.argmax(tl.where(keep, float("-inf"), gscore), 0)
+                keep = keep | (g == best)
+            keep_e = tl.reshape(tl.broadcast_to(keep[:, None], [N_GROUP, per]), [E_PAD])
             choice = tl.where(keep_e, choice, float("-inf"))
         ks = tl.arange(0, K_PAD)
-        chosen = tl.zeros([BLOCK_M, K_PAD], tl.int64)
-        w = tl.zeros([BLOCK_M, K_PAD], tl.float32)
+        chosen = tl.zeros([K_PAD], tl.int64)
+        w = tl.zeros([K_PAD], tl.float32)
         for j in tl.static_range(TOP_K):
-            best = tl.argmax(choice, 1)
-            chosen = tl.where(ks[None, :] == j, best[:, None].to(tl.int64), chosen)
+            best = tl.argmax(choice, 0)
+            chosen = tl.where(ks == j, best.to(tl.int64), chosen)
             if not GATHER_W:
-                w = tl.where(ks[None, :] == j, tl.sum(tl.where(e[None, :] == best[:, None], scores, 0.0), 1)[:, None], w)
-            choice = tl.where(e[None, :] == best[:, None], float("-inf"), choice)
+                w = tl.where(ks == j, tl.sum(tl.where(e == best, scores, 0.0), 0), w)
+            choice = tl.where(e == best, float("-inf"), choice)
         if GATHER_W:
-            kmask = mmask[:, None] & (ks < TOP_K)[None, :]
-            picked = tl.load(rows + chosen, mask=kmask, other=0.0)
+            picked = tl.load(logits_ptr + t * stride_l + chosen, mask=ks < TOP_K, other=0.0)
             if SOFTMAX:
-                w = tl.exp(picked - z_max[:, None]) / z_sum[:, None]
+                w = tl.exp(picked - z_max) / z_sum
             else:
                 w = tl.sigmoid(picked)
-            w = tl.where(kmask, w, 0.0)
+            w = tl.where(ks < TOP_K, w, 0.0)
         if NORM:
-            w = w / (tl.sum(w, 1)[:, None] + 1e-20)
+            w = w / (tl.sum(w, 0) + 1e-20)
         return chosen, w
 
     @triton.jit
@@ -96,66 +88,13 @@ if triton is not None:
                              NORM: tl.constexpr, SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr, PDL: tl.constexpr):
         """Program per token: its experts and weights."""
         pdl.enter(PDL)
-        m = tl.program_id(0) + tl.arange(0, 1)
-        mmask = tl.full([1], 1, tl.int1)
-        chosen, w = choose(logits_ptr, bias_ptr, m, mmask, stride_l, 1, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K,
-                                K_PAD, NORM, SOFTMAX, GATHER_W)
-        _store(weights_ptr, ids_ptr, m, mmask, chosen, w, scaling, TOP_K, K_PAD)
-
-
-    @triton.jit
-    def choose_if_last(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counter_ptr, programs, m, mmask, stride_l, scaling,
-                       BLOCK_M: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
-                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
-                       SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr):
-        """Called by each of `programs` programs once it stored its share of rows m's logits: the last
-        to arrive (an acq_rel atomic: the others' stores are visible to it, as in kda_step's split)
-        chooses the rows' experts (`choose`), stores them, and zeroes the counter for the next
-        launch. The barrier first: the atomic is one thread's, and its release covers the stores of
-        the program's other warps only once they are ordered before it."""
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
-            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-            tl.debug_barrier()  # every thread after the acquire
-            chosen, w = choose(logits_ptr, bias_ptr, m, mmask, stride_l, BLOCK_M, E, E_PAD, N_GROUP, TOPK_GROUP,
-                                    TOP_K, K_PAD, NORM, SOFTMAX, GATHER_W)
-            _store(weights_ptr, ids_ptr, m, mmask, chosen, w, scaling, TOP_K, K_PAD)
-
-    @triton.jit
-    def _store(weights_ptr, ids_ptr, m, mmask, chosen, w, scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
-        """Rows m's experts and scaled weights into row-major [M, TOP_K] outputs."""
+        t = tl.program_id(0)
+        chosen, w = choose(logits_ptr, bias_ptr, t, stride_l, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM,
+                            SOFTMAX, GATHER_W)
         ks = tl.arange(0, K_PAD)
-        out = m[:, None] * TOP_K + ks[None, :]
-        kmask = mmask[:, None] & (ks < TOP_K)[None, :]
-        tl.store(ids_ptr + out, chosen, mask=kmask)
-        tl.store(weights_ptr + out, w * scaling, mask=kmask)
-
-
-def in_entry_takes(rows: int, experts: int, row_block: int) -> bool:
-    """The MoE entry kernel's last router program of each row block selects (`choose_if_last`), one
-    launch a layer fewer: up to LATENTSERVE_ROUTE_IN_ENTRY rows (0: never; a candidate, bench/gpu.py's
-    `route_in_entry` at 1 and `route_in_entry_16` / `_64` up to 16 / 64). From 2 rows only where a
-    row block's logits tile is at most 64 x 64 (sm_90, 4 warps: `small`'s 64 experts add no
-    registers at 16-row blocks and 6 at 64; Kimi-K3's 896 at 16-row blocks spill ~870 bytes)."""
-    if GUARD.failure is not None or rows > int(os.environ.get("LATENTSERVE_ROUTE_IN_ENTRY", "0")):
-        return False
-    return rows == 1 or triton.next_power_of_2(experts) * row_block <= 64 * 64
-
-
-GUARD = KernelGuard("route_in_entry")  # a first-call failure: the entry and selection launches apart
-_ARRIVALS = ArrivalCounters()
-
-
-def run_in_entry(op, *args):
-    """op(*args), or None when its first call in this process fails (`KernelGuard`)."""
-    return GUARD.call(op, *args)
-
-
-def arrival_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The zeroed counters `choose_if_last` counts on, one a row block (None inside a capture that
-    would make them). One set a device: a device's entry kernels run one after another, in the
-    engine's one stream."""
-    return _ARRIVALS.get(device, blocks)
+        kmask = ks < TOP_K
+        tl.store(ids_ptr + t * TOP_K + ks, chosen, mask=kmask)
+        tl.store(weights_ptr + t * TOP_K + ks, w * scaling, mask=kmask)
 
 
 def meta(num_experts: int, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, softmax: bool) -> dict:
@@ -180,12 +119,7 @@ def launch_options(e_pad: int) -> dict:
     warps = 4 if e_pad <= 256 else 8
     if e_pad <= 256:
         warps = int(os.environ.get("LATENTSERVE_ROUTE_SELECT_WARPS", "1")) or warps
-    return {"num_warps": warps, "GATHER_W": gather_w()}
-
-
-def gather_w() -> bool:
-    """`choose`'s GATHER_W (LATENTSERVE_ROUTE_SELECT_GATHER, `launch_options`)."""
-    return os.environ.get("LATENTSERVE_ROUTE_SELECT_GATHER", "1") == "1"
+    return {"num_warps": warps, "GATHER_W": os.environ.get("LATENTSERVE_ROUTE_SELECT_GATHER", "1") == "1"}
 
 
 def select(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_group: int,
