@@ -7,11 +7,12 @@
 # 47; bench/persistent_probe.py and bench/mixed_steps.py stay for reruns by hand. `all` runs
 # the bench first, so a short budget still measures. `sweeps` (a call
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
-# own shape, and the GEMV at 128 and 256 rows (or, with TESTS=..., those GPU tests instead). `k3_tests` is the gate for Kimi-K3's step kernel as
-# a default: greedy tokens in CUDA graphs against eager with the K3 switches on, and the KDA
-# layer's graph replays (runs 55-56: the step kernel diverged in graphs; run 57: fixed, passes). Give
-# it a whole call (~560 s): run 56 ran out at 571 s before its bf16 cases, with builds since cut. `fp8`: FP8 decode
-# with its projections of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
+# own shape, and the GEMV at 128 and 256 rows (or, with TESTS=..., those GPU tests instead).
+# `k3_tests` is the gate for Kimi-K3's step kernel as a default: greedy tokens in CUDA graphs
+# against eager with the K3 switches on, and the KDA layer's graph replays (runs 55-56: the step
+# kernel diverged in graphs; run 57: fixed, passes). Give it a whole call (~560 s): run 56 ran out
+# at 571 s before its bf16 cases, with builds since cut. `fp8`: FP8 decode with its projections
+# of 2-64 rows on the GEMV's tiles against the wide-tile baseline and bf16.
 # `quick`: the bench without serving, then K3 at TP 2 and the engine's graph tests, in one call.
 # `serve_async`: HTTP serving at 64 and 256 streams with async output (the CUDA default), then
 # the same on a server with `--async-output off`, and the ratio; then the engine's CUDA tests.
