@@ -507,7 +507,10 @@ FP8_BASELINES = {"fp8_wide_tiles": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "1"},
                  # the MoE entry kernel off: FP8 layers' latent down, router, shared gate/up and activation
                  # as separate launches, and the shared down apart from the latent up (the pair runs on
                  # the entry's path), as before both took FP8 weights (2026-12-05)
-                 "fp8_no_entry": {"LATENTSERVE_MOE_ENTRY": "0"}}
+                 "fp8_no_entry": {"LATENTSERVE_MOE_ENTRY": "0"},
+                 # FP8's grouped experts in the 128-wide K steps bf16 took from run 112's sweep (FP8 keeps 64
+                 # until this is timed: its weight tiles become fp32 registers, 92 -> 128 a gate/up program)
+                 "fp8_grouped_k128": {"LATENTSERVE_MOE_FP8_GROUPED_MAX_K": "128"}}
 
 # The default build (layers compiled, Triton MoE kernels) is timed against these, same model.
 # torch_grouped: torch._grouped_mm above the GEMV limit instead of the Triton grouped GEMM

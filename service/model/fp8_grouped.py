@@ -13,6 +13,8 @@ Triton 3.6, compiled offline).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..weights.fp8 import block_of, kernel_operands
@@ -123,10 +125,11 @@ def grouped_experts(x, w13, s13, w2, s2, weights, ids, act: str, beta: float, li
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bn13, bk13 = block_of(w13, s13)
     bn2, bk2 = block_of(w2, s2)
-    # A K step inside one scale block, and at most 64: FP8's tiles become fp32 registers (sm_90, gate/up at
-    # 16 x 64: 92 registers at 64-wide steps, 128 at 128), and the 128 that bf16 takes from run 112's
-    # sweep has not been timed here.
-    bk = min(cfg.pop("BLOCK_K"), 64, bk13, bk2)
+    # A K step inside one scale block, and at most LATENTSERVE_MOE_FP8_GROUPED_MAX_K (64): FP8's tiles become
+    # fp32 registers (sm_90, gate/up at 16 x 64: 92 registers at 64-wide steps, 128 at 128, no spills),
+    # and the 128 that bf16 takes from run 112's sweep is untimed here (bench/gpu.py's `fp8_grouped_k128`).
+    max_k = int(os.environ.get("LATENTSERVE_MOE_FP8_GROUPED_MAX_K", "64"))
+    bk = min(cfg.pop("BLOCK_K"), max_k, bk13, bk2)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = weights.contiguous()
     sorted_pairs, block_expert, used = moe_grouped.align(ids, num_experts, bm)
