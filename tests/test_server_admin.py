@@ -173,8 +173,10 @@ def test_sleep_mode_abort_fails_in_flight_requests_clearly(admin, reference):
 
 
 def test_sleep_mode_wait_drains_in_flight_requests(admin):
-    expected = generate(admin, max_tokens=60, prompts=LONG)
-    t, box = _in_background(lambda: generate(admin, max_tokens=60, prompts=LONG))
+    # Long enough to be seen running: with a second CI run beside it on 2 cores, 60 tokens
+    # finished between two status polls and the poll waited out its minute.
+    expected = generate(admin, max_tokens=600, prompts=LONG)
+    t, box = _in_background(lambda: generate(admin, max_tokens=600, prompts=LONG))
     _wait_running(admin)
     report = admin.sleep(1, mode="wait")
     t.join(60)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -16,7 +17,7 @@ from service.client import AsyncClient, ServiceError
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 STREAMS = [[20, 21, 22], [30, 31], [40, 41, 42, 43]]
-STREAM_TOKENS = 300
+STREAM_TOKENS = 800  # still streaming when a loaded machine's first status poll answers
 ROUNDS = 8
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -77,7 +78,11 @@ async def _race(url: str, key: str) -> dict:
         reference = await _tokens(c, PROMPTS, 8)
         stream_reference = await _tokens(c, STREAMS, STREAM_TOKENS)
         streams = [asyncio.create_task(_stream(c, p)) for p in STREAMS]
+        deadline = time.monotonic() + 120
         while (await c.status())["engine"]["running"] < 1:  # in flight before the race starts
+            # bounded: a stream that ended before any poll saw it running must fail here, not hang
+            # the module until pytest's timeout (it did once, with two CI runs on 2 cores)
+            assert time.monotonic() < deadline and not all(s.done() for s in streams), "no stream seen running"
             await asyncio.sleep(0.05)
         rng = random.Random(14)
         seen: list[tuple[str, int]] = []
