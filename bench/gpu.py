@@ -620,9 +620,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # the control. Its 2-16 row kernels lost (1.37x at batch 8) and are gone (runs 107-108,
              # bench/norm_in_loop.py).
              "fold_add_norm_off": {"LATENTSERVE_FOLD_ADD_NORM": "0"},
-             # The grouped experts' table row for up to 12 pairs an expert (batches 8-96) before run 112's
-             # sweep moved its K step to 128: the build before, at 8 and 64 (at 256 this forces 16-row
-             # blocks where the table has 64, so that column is not the build before).
+             # The grouped experts' table row for up to 12 pairs an expert (batches 8-96) before runs
+             # 112-115 moved its K step to 128: the build before at 8 and 64. Not at 256 (the table has
+             # 64-row blocks there) nor at 97-192 (the old table had 32-row blocks there).
              "grouped_k64": {"LATENTSERVE_MOE_GROUPED_CONFIG": "16,64,64,4,4"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},

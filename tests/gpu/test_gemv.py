@@ -279,7 +279,7 @@ def test_latent_moe_one_rank_tail_equals_the_two_projections(monkeypatch):
     from test_moe_entry import latent_moe_layer
 
     layer, x = latent_moe_layer("k3-tiny")
-    latent, h, *_ = layer._entry(x)
+    latent, h, _ = layer._entry(x)
     assert layer._one_rank_tail(latent, h, layer._norm_weight()) is not None
     paired = layer(x)
     monkeypatch.setenv("LATENTSERVE_GEMV_PAIR", "0")
