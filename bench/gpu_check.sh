@@ -27,7 +27,8 @@
 # cores (`api_cpu`) and loop lag. `serve_ab SECONDS DIR`: 256 streams on this export's server
 # and on the export in DIR (e.g. ../base), alternating, twice each (AB_PAIRS=3: three times; a
 # server takes ~75 s: 55 s to start, 13 s of load): a change to the HTTP process.
-# `goal`: the decode goal table alone (a short budget; BASELINES=a,b adds bench/gpu.py baselines). `mla_tma`: MLA
+# `goal`: the decode goal table alone (a short budget; BASELINES=a,b adds bench/gpu.py baselines,
+# PROFILE=1,8,64,256 each batch's exposed kernel times). `mla_tma`: MLA
 # decode's TMA tiles standalone against the cp.async kernel at 64 and 256 sequences, then `goal` with their baselines and tests. `serve_std`: the same with uvloop and
 # httptools (wheels in .whl/std/) against asyncio and h11. `serve_gil`: the same with Python's GIL
 # hand-over interval at GIL_MS (default 1) against its 5 ms, in every process of the serve.
@@ -124,7 +125,7 @@ if [ "$what" = mla_tma ] || [ "$what" = mla_tma_kernel ]; then  # MLA decode's T
   [ "$what" = mla_tma ] && BASELINES=${BASELINES:-kv_block_32,mla_tma,mla_tma_64} TESTS=${TESTS:-tests/gpu/test_mla_decode_kernel.py} what=goal
 fi
 if [ "$what" = goal ] || [ "$what" = goal_ncu ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
-  reserve=5 profile=""
+  reserve=5 profile=${PROFILE:-}  # PROFILE=1,8,64,256: each batch's exposed kernel times too
   [ "$what" = goal_ncu ] && reserve=200 profile=1,8,64,256  # ncu_gemv's share of the call; each batch's exposed times
   timeout "$(( $(left) - reserve ))" python3 bench/gpu.py --commit "$commit" --skip hf,sleep,k3,k3graphs,tail,prefill,fp8 \
     --batches 1,8,64,256 --profile-batches "$profile" --baselines "${BASELINES:-same_build}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
