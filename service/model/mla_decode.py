@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from . import mla_absorb, mla_decode_tma, mla_merge, mla_parts, pdl  # noqa: F401 - mla_absorb registers the W_UV op
+from . import mla_absorb, mla_cuda, mla_decode_tma, mla_merge, mla_parts, pdl  # noqa: F401 - mla_absorb registers the W_UV op
 
 try:
     import triton
@@ -271,7 +271,6 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     ieee = q_lat.dtype == torch.float32
     launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
               **(cfg or {})}
-    grid = (b, -(-h // BLOCK_H), splits)
     tma = launch.pop("TMA", False) and mla_decode_tma.plan(kv_cache, block_tables, kv_lora_rank, splits,
                                                            launch["BLOCK_N"])
     write = new_kv is not None
@@ -284,6 +283,28 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if rope is not None and (cos.shape != (b, q_pe.shape[-1] // 2) or sin.shape != cos.shape
                              or cos.stride() != sin.stride() or cos.stride(-1) != 1):
         raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} do not fit q_pe {tuple(q_pe.shape)}")
+    if not (cfg is None and mla_cuda.supported(q_lat, q_pe, kv_cache, block_tables, context_lens, new_kv, new_slots, rope)
+            and mla_cuda.split(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, o, lse, new_kv, new_slots, rope)):
+        _launch_split(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, rope, scale,
+                      splits, launch, tma)
+    if w_uv is not None:
+        if splits == 1:
+            return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv)
+        return mla_merge.merge_out(o, lse, w_uv)
+    return o[:, 0] if splits == 1 else mla_merge.merge(o, lse)
+
+
+def _launch_split(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, rope, scale, splits,
+                  launch, tma) -> None:
+    """The Triton split kernel (cp.async tiles, or TMA ones where `tma` planned them)."""
+    b, h = q_lat.shape[:2]
+    block_size = kv_cache.shape[1]
+    d = kv_cache.shape[-1]
+    kv_lora_rank = q_lat.shape[-1]
+    write = new_kv is not None
+    cos, sin = (rope[0], rope[1]) if rope is not None else (context_lens, context_lens)
+    grid = (b, -(-h // BLOCK_H), splits)
+    ieee = q_lat.dtype == torch.float32
     kernel, caches = _mla_decode_split, (kv_cache,)
     if tma:
         launch.pop("PREFETCH_BT", None)
@@ -299,11 +320,6 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_SPLITS=splits, WRITE_KV=int(write), IEEE=ieee,
         ROPE=0 if rope is None else 2 if rope[2] else 1, **launch, **pdl.launch(q_lat.device),
     )
-    if w_uv is not None:
-        if splits == 1:
-            return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv)
-        return mla_merge.merge_out(o, lse, w_uv)
-    return o[:, 0] if splits == 1 else mla_merge.merge(o, lse)
 
 
 if triton is not None:

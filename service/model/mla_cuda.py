@@ -1,0 +1,149 @@
+"""MLA decode's split kernel for a few sequences in CUDA C (mla_small.cu), a candidate in place of
+the Triton one (`_mla_decode_split`) at 1-8 sequences.
+
+At one to eight sequences the Triton split kernel is a layer's largest excess over its bytes:
+10.5 us at one sequence for 1.2 MB of KV, 14 us at eight for ~7 MB (H100, run 114). ncu had each
+warp issuing ~1,900 instructions, one every ~9 cycles (run 62), and neither shorter epilogues,
+16 warps, pipelined half tiles nor loads before the PDL wait moved it (runs 39, 62, 106-110):
+the tile's chain is what Triton generates for a 16-row dot with 8 warps. This kernel writes that
+chain by hand: mma.m16n8k16 on fragments read from conflict-free shared memory, the scores split
+over the warps by position and by halves of the 576 dims, the value sum by output columns.
+Same outputs (the fp32 partials and log-sum-exps the merge reads), same splits, same contract
+for the new token's write and the query's rope.
+
+Compiled with NVRTC at first use on each device (`cuda.bindings`), launched with
+`cuLaunchKernelEx` on torch's current stream (CUDA graphs capture it) and PDL where the Triton
+kernels have it. LATENTSERVE_MLA_CUDA_MAX_ROWS (0, the default: off; bench/gpu.py's `mla_cuda`
+sets 8). A build or first-launch failure turns it off for the process (`KernelGuard`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from . import pdl
+from .kernel_guard import KernelGuard
+
+GUARD = KernelGuard("mla_cuda")
+SOURCE = Path(__file__).with_name("mla_small.cu")
+D_LAT, D_PE, HEADS, TILE, THREADS = 512, 64, 16, 32, 256
+_QS, _PS, _SS = 584, 40, 36  # mla_small.cu's shared-memory row strides
+SMEM_BYTES = HEADS * _QS * 2 + 2 * TILE * _QS * 2 + 2 * HEADS * _SS * 4 + HEADS * _PS * 2 + 3 * HEADS * 4 + 2 * TILE * 8
+
+
+def max_rows() -> int:
+    return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "0"))
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
+
+
+def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+              context_lens: torch.Tensor, new_kv: torch.Tensor | None, new_slots: torch.Tensor | None,
+              rope: tuple | None) -> bool:
+    """bf16 throughout, a 512-wide latent and 64-wide rope part, int64 tables and lengths, fp32 rope
+    tables, 16-byte aligned rows, power-of-2 cache blocks, sm_90 or later, up to `max_rows` sequences."""
+    if GUARD.failure is not None or not q_lat.is_cuda or not 0 < q_lat.shape[0] <= max_rows():
+        return False
+    block_size = kv_cache.shape[1]
+    ok = (q_lat.dtype == q_pe.dtype == kv_cache.dtype == torch.bfloat16 and q_lat.shape[-1] == D_LAT
+          and q_pe.shape[-1] == D_PE and kv_cache.shape[-1] == D_LAT + D_PE and block_size & (block_size - 1) == 0
+          and block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.stride(-1) == 1
+          and context_lens.is_contiguous() and _aligned(q_lat, q_lat.stride(0), q_lat.stride(1))
+          and _aligned(kv_cache, kv_cache.stride(1)) and torch.cuda.get_device_capability(q_lat.device)[0] >= 9)
+    if ok and new_kv is not None:
+        ok = new_slots is not None and new_slots.dtype == torch.int64 and _aligned(new_kv, new_kv.stride(0))
+    if ok and rope is not None:
+        ok = rope[0].dtype == rope[1].dtype == torch.float32
+    return ok
+
+
+@functools.cache
+def _function(device_index: int):
+    """The compiled kernel on this device: (CUfunction, the module that owns it)."""
+    from cuda.bindings import driver, nvrtc
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    err, prog = nvrtc.nvrtcCreateProgram(SOURCE.read_bytes(), b"mla_small.cu", 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device", b"--std=c++17"]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC could not compile {SOURCE.name}: {log.decode(errors='replace')}")
+    err, size = nvrtc.nvrtcGetCUBINSize(prog)
+    _check(err, "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
+    torch.cuda.init()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()  # torch's primary context current on this thread
+        image = ctypes.create_string_buffer(cubin, size)
+        err, module = driver.cuModuleLoadData(ctypes.addressof(image))
+        _check(err, "cuModuleLoadData")
+        err, func = driver.cuModuleGetFunction(module, b"mla_split_small")
+        _check(err, "cuModuleGetFunction")
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(func, attr, SMEM_BYTES)[0], "cuFuncSetAttribute")
+    return func, module
+
+
+def _check(err, what: str) -> None:
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+
+
+def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, cos, sin, num_heads,
+            scale, block_size, splits, write, rope_mode) -> None:
+    from cuda.bindings import driver
+
+    func, _ = _function(q_lat.device.index)
+    b = q_lat.shape[0]
+    c_ptr, c_i64, c_int, c_float = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
+    values = [c_ptr(t.data_ptr()) for t in (q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv,
+                                            new_slots, cos, sin)]
+    values += [c_i64(s) for s in (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+                                  kv_cache.stride(1), block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2),
+                                  lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0, cos.stride(0))]
+    values += [c_int(num_heads), c_float(scale), c_int(block_size.bit_length() - 1), c_int(splits), c_int(int(write)),
+               c_int(rope_mode)]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = b, -(-num_heads // HEADS), splits
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = THREADS, 1, 1
+    cfg.sharedMemBytes = SMEM_BYTES
+    cfg.hStream = driver.CUstream(torch.cuda.current_stream(q_lat.device).cuda_stream)
+    if pdl.enabled(q_lat.device):
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs, cfg.numAttrs = [attr], 1
+    (err,) = driver.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
+    _check(err, "cuLaunchKernelEx")
+
+
+def split(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+          context_lens: torch.Tensor, scale: float, o: torch.Tensor, lse: torch.Tensor,
+          new_kv: torch.Tensor | None, new_slots: torch.Tensor | None, rope: tuple | None) -> bool:
+    """Fills o [B, S, H, 512] fp32 and lse [B, S, H] as `_mla_decode_split` does (S = o.shape[1]);
+    False when the kernel is off for this process (the caller then launches the Triton kernel)."""
+    write = new_kv is not None
+    cos, sin = (rope[0], rope[1]) if rope is not None else (context_lens, context_lens)
+    rope_mode = 0 if rope is None else 2 if rope[2] else 1
+    args = (q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv if write else kv_cache,
+            new_slots if write else context_lens, cos, sin, q_lat.shape[1], scale, kv_cache.shape[1], o.shape[1],
+            write, rope_mode)
+    return GUARD.call(_launch_op, *args) is not None
+
+
+def _launch_op(*args) -> bool:
+    _launch(*args)
+    return True

@@ -1,0 +1,117 @@
+"""The CUDA C split kernel for a few sequences (service/model/mla_cuda.py) against the float64
+reference and against the Triton kernel it stands in for: reads and the new token's write, both
+ropes, one and two head blocks, empty splits, poisoned slots, CUDA graphs, and the engine's
+decode graphs against its eager step. Needs a GPU (no interpreter for CUDA C)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+    pytest.skip("needs an sm_90 or later GPU", allow_module_level=True)
+pytest.importorskip("cuda.bindings")
+pytest.importorskip("triton")
+
+from kernel_env import replay_and_eager  # noqa: E402
+from test_mla_decode_kernel import case, new_tokens, reference  # noqa: E402
+
+from service.model import mla_cuda, mla_decode  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+LORA, ROPE = 512, 64
+
+
+def run(monkeypatch, on: bool, *args, **kw):
+    """`_mla_decode` with the CUDA kernel on (asserting it ran) or off."""
+    monkeypatch.setenv("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8" if on else "0")
+    calls = []
+    real = mla_cuda.split
+    monkeypatch.setattr(mla_cuda, "split", lambda *a: calls.append(real(*a)) or calls[-1])
+    out = mla_decode._mla_decode(*args, **kw)
+    assert calls == ([True] if on else []), (on, calls, mla_cuda.GUARD.failure)
+    return out
+
+
+def rel(a, b) -> float:
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+@pytest.mark.parametrize("batch,heads,block_size,splits",
+                         [(1, 16, 16, None), (3, 20, 16, 4), (8, 16, 64, None), (5, 8, 16, 1), (2, 16, 32, 32)])
+def test_matches_reference_and_writes_the_new_token(monkeypatch, write, batch, heads, block_size, splits):
+    q, kv, tables, ctx, ctx_list = case(batch * 31 + heads + block_size, batch, heads, LORA, ROPE, block_size,
+                                        torch.bfloat16, 300)
+    new, expected_kv = new_tokens(kv, tables, ctx_list, torch.bfloat16, seed=5) if write else ({}, kv.clone())
+    scale = (LORA + ROPE) ** -0.5
+    cache = kv.clone()
+    out = run(monkeypatch, True, q, cache, tables, ctx, LORA, scale, splits=splits, **new)
+    assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
+    ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, LORA, scale)
+    assert rel(out, ref) < 2e-2
+    triton_cache = kv.clone()
+    assert rel(out, run(monkeypatch, False, q, triton_cache, tables, ctx, LORA, scale, splits=splits, **new)) < 1e-2
+    assert torch.equal(cache.nan_to_num(7.0), expected_kv.nan_to_num(7.0)), "the cache is not as the write leaves it"
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["halves", "interleaved"])
+def test_rope_in_the_kernel_matches_the_triton_kernel(monkeypatch, interleave):
+    batch, heads = 4, 16
+    q, kv, tables, ctx, ctx_list = case(9, batch, heads, LORA, ROPE, 16, torch.bfloat16, 200)
+    g = torch.Generator().manual_seed(1)
+    angles = torch.rand(batch, ROPE // 2, generator=g) * 6.0
+    cos_sin = torch.stack([angles.cos(), angles.sin()], 1).cuda()  # as the model's table: [B, 2, rope / 2]
+    rope = (cos_sin[:, 0], cos_sin[:, 1], interleave)
+    q_lat, q_pe = q[..., :LORA].contiguous(), q[..., LORA:]
+    new, _ = new_tokens(kv, tables, ctx_list, torch.bfloat16, seed=2)
+    args = (q_lat, None, tables, ctx, LORA, ROPE ** -0.5)
+    outs = []
+    for on in (True, False):
+        a = list(args)
+        a[1] = kv.clone()
+        outs.append(run(monkeypatch, on, *a, q_pe=q_pe, rope=rope, **new))
+    assert rel(outs[0], outs[1]) < 1e-2
+
+
+def test_graph_replay_follows_new_contexts(monkeypatch):
+    """Captured once, replayed after the lengths and tables change: the launch reads them on the device."""
+    monkeypatch.setenv("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8")
+    q, kv, tables, ctx, ctx_list = case(4, 8, 16, LORA, ROPE, 16, torch.bfloat16, 250)
+    scale = 0.05
+    mla_decode._mla_decode(q, kv, tables, ctx, LORA, scale)  # compiles and loads before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode._mla_decode(q, kv, tables, ctx, LORA, scale)
+    shorter = [max(1, n // 3) for n in ctx_list]
+    ctx.copy_(torch.tensor(shorter, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(q.cpu(), kv.cpu(), tables.cpu(), shorter, LORA, scale)
+    assert rel(out, ref) < 2e-2
+    assert mla_cuda.GUARD.failure is None
+
+
+def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch):
+    """`tiny` with the K3/DeepSeek MLA widths (latent 512, rope 64) in bf16: graphs captured with the
+    kernel on at 1 and 4 sequences, each replay against the eager step with it off."""
+    from service import LLM
+
+    switch = "LATENTSERVE_MLA_CUDA_MAX_ROWS"
+    monkeypatch.setenv(switch, "8")
+    shapes = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+    llm = LLM(model="tiny", hf_overrides=shapes, dtype="bfloat16", device="cuda", seed=0,
+              distributed_executor_backend="uni", max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
+    try:
+        worker = llm.executor.rank0
+        with torch.inference_mode():
+            for kv in worker.kv_caches:
+                kv.normal_()
+        steps = {rows: replay_and_eager(worker, rows, monkeypatch, switch) for rows in (1, 4)}
+    finally:
+        llm.shutdown()
+        torch._dynamo.reset()
+    assert mla_cuda.GUARD.failure is None
+    for rows, (out, ref, names) in steps.items():
+        assert any("mla_split_small" in n for n in names), (rows, sorted(set(names)))
+        assert rel(out, ref) < 3e-2, rows
