@@ -59,8 +59,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // The slot of position p (-1: past the split, zero-filled; -2: the new token, read from new_kv).
-__device__ __forceinline__ i64 slot_of(i64 p, i64 end, i64 ctx, int write_kv, const i64* bt_row,
-                                       int block_log2) {
+__device__ __forceinline__ i64 slot_of(int p, int end, int ctx, int write_kv, const i64* bt_row, int block_log2) {
     if (p >= end) return -1;
     if (write_kv && p == ctx - 1) return -2;
     return (bt_row[p >> block_log2] << block_log2) + (p & ((1 << block_log2) - 1));
@@ -106,11 +105,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) mla_split_small(
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
 
-    const i64 ctx = ctx_lens[b];
-    const i64 per_split = ((ctx + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
-    const i64 start = split * per_split;
-    const i64 end = start + per_split < ctx ? start + per_split : ctx;
-    const int ntiles = end > start ? (int)((end - start + TILE - 1) / TILE) : 0;
+    const int ctx = (int)ctx_lens[b];  // positions in 32 bits: a 64-bit division is a software routine
+    const int per_split = ((ctx + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
+    const int start = split * per_split;
+    const int end = start + per_split < ctx ? start + per_split : ctx;
+    const int ntiles = end > start ? (end - start + TILE - 1) / TILE : 0;
     const bool owns_new = write_kv && start <= ctx - 1 && ctx - 1 < end;
     const i64* bt_row = bt + b * stride_bt;
     const bf16_t* new_row = new_kv + b * stride_new;
@@ -152,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) mla_split_small(
 
     for (int i = 0; i < ntiles; ++i) {
         const int buf = i & 1;
-        const i64 p0 = start + (i64)i * TILE;
+        const int p0 = start + i * TILE;
         bf16_t* tile = sK + buf * TILE * QS;
         if (i + 1 < ntiles) {  // the next tile's copy runs under this one's math
             if (tid < TILE)
