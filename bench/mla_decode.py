@@ -4,7 +4,7 @@ launch shape (splits, BLOCK_N, warps, stages), and the torch path (gather + two 
 baseline.
 
     python bench/mla_decode.py [--batches 1 8 64 256] [--context 1024] [--sweep [--prefetch] [--tma]]
-                               [--write-kv] [--in-order] [--block-size 16] [--json out.json]
+                               [--write-kv] [--in-order] [--block-size 16] [--cuda] [--json out.json]
 
 Shapes are the `small` preset's (16 heads, kv_lora_rank 512, rope 64, block size 16 unless
 --block-size). LATENTSERVE_MLA_TMA=1 times the default launch on TMA tiles (blocks of 32 or 64). Each
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from gemv import L2_SAFE, graph_seconds, sweep  # noqa: E402
 from gpu import copy_bandwidth  # noqa: E402
 
-from service.model import mla_decode  # noqa: E402
+from service.model import mla_cuda, mla_decode  # noqa: E402
 
 HEADS, LAT, PE, BLOCK = 16, 512, 64, 16
 
@@ -71,6 +71,20 @@ def torch_path(v):
     return torch.bmm(p, ctx[..., :LAT])
 
 
+def cuda_kernel(variants, ref, t_default: float) -> dict:
+    """The CUDA C split kernel on the same caches (its block tables int64), its time against the
+    default's and its largest difference from the one-split Triton result."""
+    wide = [(q, cache, tables.long(), *rest) for q, cache, tables, *rest in variants]
+    os.environ["LATENTSERVE_MLA_CUDA_MAX_ROWS"] = "8"
+    try:
+        err = (run(wide[0]) - ref).abs().max().item()
+        t = graph_seconds(run, wide)
+    finally:
+        del os.environ["LATENTSERVE_MLA_CUDA_MAX_ROWS"]
+    return {"cuda_us": t * 1e6, "cuda_vs_default": t / t_default, "cuda_max_err": err,
+            "cuda_off": mla_cuda.GUARD.failure}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -86,6 +100,8 @@ def main() -> None:
     ap.add_argument("--in-order", action="store_true", help="blocks in order (a fresh engine's), not shuffled")
     ap.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size (the engine's --block-size)")
     ap.add_argument("--tma", action="store_true", help="the sweep's shapes on TMA tiles (mla_decode_tma.py)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="also the CUDA C split kernel (mla_cuda.py) at up to 8 sequences, against the default")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth("cuda")
@@ -100,6 +116,8 @@ def main() -> None:
         row = {"batch": b, "context": args.context, "kv_mb": nbytes / 1e6, "ours_us": t_ours * 1e6,
                "torch_us": t_torch * 1e6, "ours_vs_torch": t_torch / t_ours, "ours_of_copy_bw": nbytes / t_ours / bw,
                "default": default}
+        if args.cuda and b <= 8:
+            row.update(cuda_kernel(variants, ref, t_ours))
         if args.sweep:
             prefetch = (False, True) if args.prefetch else (False,)
             shapes = [{"splits": splits, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PREFETCH_BT": pf,
