@@ -628,6 +628,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # tile's chain by hand where Triton's 16-row dots took ~1,900 instructions a warp.
              # Predicted: the split kernel 10.5 -> ~5 us at 1 (step ~0.92x), 14 -> ~8 at 8 (~0.96x).
              "mla_cuda": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "8"},
+             # The same with the first tile's cache rows copied before the PDL wait (run 117: the
+             # kernel's exposed time 7.8 us at 1 and 10.8 at 8, its memory chain now the longer part).
+             "mla_cuda_early": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "8", "LATENTSERVE_MLA_CUDA_EARLY": "1"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

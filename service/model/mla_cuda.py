@@ -40,6 +40,13 @@ def max_rows() -> int:
     return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "0"))
 
 
+def early() -> bool:
+    """LATENTSERVE_MLA_CUDA_EARLY=1 (a candidate): when the kernel writes the new token (so no kernel of
+    the step writes the cache rows it reads), the first tile's cache rows are copied before the PDL
+    wait; only the query and the new token wait for the kernels before it."""
+    return os.environ.get("LATENTSERVE_MLA_CUDA_EARLY", "0") == "1"
+
+
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
 
@@ -114,7 +121,7 @@ def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, n
                                   kv_cache.stride(1), block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2),
                                   lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0, cos.stride(0))]
     values += [c_int(num_heads), c_float(scale), c_int(block_size.bit_length() - 1), c_int(splits), c_int(int(write)),
-               c_int(rope_mode)]
+               c_int(rope_mode), c_int(int(early()))]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     cfg = driver.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = b, -(-num_heads // HEADS), splits
