@@ -56,7 +56,7 @@ def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, b
               rope: tuple | None) -> bool:
     """bf16 throughout, a 512-wide latent and 64-wide rope part, int64 tables and lengths, fp32 rope
     tables, 16-byte aligned rows, power-of-2 cache blocks, sm_90 or later, up to `max_rows` sequences."""
-    if GUARD.failure is not None or not q_lat.is_cuda or not 0 < q_lat.shape[0] <= max_rows():
+    if GUARD.failure is not None or not q_lat.is_cuda or not 0 < q_lat.shape[0] <= max_rows() or not _bindings():
         return False
     block_size = kv_cache.shape[1]
     ok = (q_lat.dtype == q_pe.dtype == kv_cache.dtype == torch.bfloat16 and q_lat.shape[-1] == D_LAT
@@ -69,6 +69,16 @@ def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, b
     if ok and rope is not None:
         ok = rope[0].dtype == rope[1].dtype == torch.float32
     return ok
+
+
+@functools.cache
+def _bindings() -> bool:
+    """cuda.bindings' driver and NVRTC modules import (a GPU install without them keeps the Triton kernel)."""
+    try:
+        from cuda.bindings import driver, nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
