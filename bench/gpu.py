@@ -624,13 +624,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # 112-115 moved its K step to 128: the build before at 8 and 64. Not at 256 (the table has
              # 64-row blocks there) nor at 97-192 (the old table had 32-row blocks there).
              "grouped_k64": {"LATENTSERVE_MOE_GROUPED_CONFIG": "16,64,64,4,4"},
-             # MLA decode's split kernel at 1-8 sequences in CUDA C (mla_cuda.py, a candidate): the
-             # tile's chain by hand where Triton's 16-row dots took ~1,900 instructions a warp.
-             # Predicted: the split kernel 10.5 -> ~5 us at 1 (step ~0.92x), 14 -> ~8 at 8 (~0.96x).
-             "mla_cuda": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "8"},
-             # The same with the first tile's cache rows copied before the PDL wait (run 117: the
-             # kernel's exposed time 7.8 us at 1 and 10.8 at 8, its memory chain now the longer part).
-             "mla_cuda_early": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "8", "LATENTSERVE_MLA_CUDA_EARLY": "1"},
+             # MLA decode's split kernel at 1-8 sequences in Triton, as before the CUDA C one
+             # (mla_cuda.py; runs 116/118, H100: the default 0.96-0.97x of this at 1, 0.97-0.98x at 8).
+             "mla_cuda_off": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "0"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

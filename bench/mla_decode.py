@@ -75,12 +75,15 @@ def cuda_kernel(variants, ref, t_default: float) -> dict:
     """The CUDA C split kernel on the same caches (its block tables int64), its time against the
     default's and its largest difference from the one-split Triton result."""
     wide = [(q, cache, tables.long(), *rest) for q, cache, tables, *rest in variants]
+    before = os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS")
     os.environ["LATENTSERVE_MLA_CUDA_MAX_ROWS"] = "8"
     try:
         err = (run(wide[0]) - ref).abs().max().item()
         t = graph_seconds(run, wide)
     finally:
-        del os.environ["LATENTSERVE_MLA_CUDA_MAX_ROWS"]
+        os.environ.pop("LATENTSERVE_MLA_CUDA_MAX_ROWS")
+        if before is not None:
+            os.environ["LATENTSERVE_MLA_CUDA_MAX_ROWS"] = before
     return {"cuda_us": t * 1e6, "cuda_vs_default": t / t_default, "cuda_max_err": err,
             "cuda_off": mla_cuda.GUARD.failure}
 

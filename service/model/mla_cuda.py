@@ -1,5 +1,5 @@
-"""MLA decode's split kernel for a few sequences in CUDA C (mla_small.cu), a candidate in place of
-the Triton one (`_mla_decode_split`) at 1-8 sequences.
+"""MLA decode's split kernel for a few sequences in CUDA C (mla_small.cu), in place of the Triton
+one (`_mla_decode_split`) at 1-8 sequences.
 
 At one to eight sequences the Triton split kernel is a layer's largest excess over its bytes:
 10.5 us at one sequence for 1.2 MB of KV, 14 us at eight for ~7 MB (H100, run 114). ncu had each
@@ -11,10 +11,14 @@ over the warps by position and by halves of the 576 dims, the value sum by outpu
 Same outputs (the fp32 partials and log-sum-exps the merge reads), same splits, same contract
 for the new token's write and the query's rope.
 
+Runs 116 and 118 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8 us a layer at one
+sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.98x at 8, the default since.
+
 Compiled with NVRTC at first use on each device (`cuda.bindings`), launched with
 `cuLaunchKernelEx` on torch's current stream (CUDA graphs capture it) and PDL where the Triton
-kernels have it. LATENTSERVE_MLA_CUDA_MAX_ROWS (0, the default: off; bench/gpu.py's `mla_cuda`
-sets 8). A build or first-launch failure turns it off for the process (`KernelGuard`).
+kernels have it. LATENTSERVE_MLA_CUDA_MAX_ROWS (8; 0: the Triton kernel, bench/gpu.py's
+`mla_cuda_off`). Without `cuda.bindings` the Triton kernel runs; a build or first-launch failure
+turns this one off for the process (`KernelGuard`).
 """
 
 from __future__ import annotations
@@ -37,14 +41,7 @@ SMEM_BYTES = HEADS * _QS * 2 + 2 * TILE * _QS * 2 + 2 * HEADS * _SS * 4 + HEADS 
 
 
 def max_rows() -> int:
-    return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "0"))
-
-
-def early() -> bool:
-    """LATENTSERVE_MLA_CUDA_EARLY=1 (a candidate): when the kernel writes the new token (so no kernel of
-    the step writes the cache rows it reads), the first tile's cache rows are copied before the PDL
-    wait; only the query and the new token wait for the kernels before it."""
-    return os.environ.get("LATENTSERVE_MLA_CUDA_EARLY", "0") == "1"
+    return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8"))
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
@@ -131,7 +128,7 @@ def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, n
                                   kv_cache.stride(1), block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2),
                                   lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0, cos.stride(0))]
     values += [c_int(num_heads), c_float(scale), c_int(block_size.bit_length() - 1), c_int(splits), c_int(int(write)),
-               c_int(rope_mode), c_int(int(early()))]
+               c_int(rope_mode)]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     cfg = driver.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = b, -(-num_heads // HEADS), splits
