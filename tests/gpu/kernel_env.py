@@ -59,6 +59,25 @@ def replay_and_eager(worker, rows: int, monkeypatch, switch: str) -> tuple[torch
     return out, ref, [e.name for e in prof.events()]
 
 
+def graph_steps(monkeypatch, switch: str, on: str, hf_overrides: dict, rows=(1, 4)) -> dict:
+    """`tiny` in bf16 with the switch set to `on` while its decode graphs are captured at `rows`
+    sequences, its KV caches random: {rows: `replay_and_eager`'s (replay, eager step without it, names)}."""
+    from service import LLM
+
+    monkeypatch.setenv(switch, on)
+    llm = LLM(model="tiny", hf_overrides=hf_overrides, dtype="bfloat16", device=DEVICE, seed=0,
+              distributed_executor_backend="uni", max_num_seqs=max(rows), cuda_graph_batch_sizes=list(rows))
+    try:
+        worker = llm.executor.rank0
+        with torch.inference_mode():
+            for kv in worker.kv_caches:
+                kv.normal_()
+        return {r: replay_and_eager(worker, r, monkeypatch, switch) for r in rows}
+    finally:
+        llm.shutdown()
+        torch._dynamo.reset()
+
+
 @torch.no_grad()
 def fill_random(module: torch.nn.Module, generator: torch.Generator) -> None:
     """Every parameter of a layer under test from `generator`, in name order: matrices scaled by

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, GRAPH_SHAPES, INTERPRET, kernel_marks, replay_and_eager, require_kernel_device
+from kernel_env import DEVICE, GRAPH_SHAPES, INTERPRET, graph_steps, kernel_marks, require_kernel_device
 
 require_kernel_device()
 
@@ -114,20 +114,7 @@ def test_tokens_through_the_model_give_the_same_logits(tokens, monkeypatch, spy)
 def test_decode_graphs_with_the_folds_match_the_eager_step_without(monkeypatch):
     """`tiny` in bf16, graphs captured with the fold on at 1 and 4 sequences (its kernels at 1, the
     plain ones at 4), each replay against the eager step with it off."""
-    from service import LLM
-
-    monkeypatch.setenv("LATENTSERVE_FOLD_ADD_NORM", "1")
-    llm = LLM(model="tiny", hf_overrides=GRAPH_SHAPES, dtype="bfloat16", device=DEVICE, seed=0,
-              distributed_executor_backend="uni", max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
-    try:
-        worker = llm.executor.rank0
-        with torch.inference_mode():
-            for kv in worker.kv_caches:
-                kv.normal_()
-        steps = {rows: replay_and_eager(worker, rows, monkeypatch, "LATENTSERVE_FOLD_ADD_NORM") for rows in (1, 4)}
-    finally:
-        llm.shutdown()
-        torch._dynamo.reset()
+    steps = graph_steps(monkeypatch, "LATENTSERVE_FOLD_ADD_NORM", "1", GRAPH_SHAPES)
     assert add_norm.GUARD.failure is None
     for rows, (out, ref, names) in steps.items():
         folds = [n for n in names if "_add_norm_gemv_kernel" in n]

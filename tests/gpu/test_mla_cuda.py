@@ -13,7 +13,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
 pytest.importorskip("cuda.bindings")
 pytest.importorskip("triton")
 
-from kernel_env import replay_and_eager  # noqa: E402
+from kernel_env import graph_steps  # noqa: E402
 from test_mla_decode_kernel import case, new_tokens, reference  # noqa: E402
 
 from service.model import mla_cuda, mla_decode  # noqa: E402
@@ -95,22 +95,8 @@ def test_graph_replay_follows_new_contexts(monkeypatch):
 def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch):
     """`tiny` with the K3/DeepSeek MLA widths (latent 512, rope 64) in bf16: graphs captured with the
     kernel on at 1 and 4 sequences, each replay against the eager step with it off."""
-    from service import LLM
-
-    switch = "LATENTSERVE_MLA_CUDA_MAX_ROWS"
-    monkeypatch.setenv(switch, "8")
     shapes = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
-    llm = LLM(model="tiny", hf_overrides=shapes, dtype="bfloat16", device="cuda", seed=0,
-              distributed_executor_backend="uni", max_num_seqs=4, cuda_graph_batch_sizes=[1, 4])
-    try:
-        worker = llm.executor.rank0
-        with torch.inference_mode():
-            for kv in worker.kv_caches:
-                kv.normal_()
-        steps = {rows: replay_and_eager(worker, rows, monkeypatch, switch) for rows in (1, 4)}
-    finally:
-        llm.shutdown()
-        torch._dynamo.reset()
+    steps = graph_steps(monkeypatch, "LATENTSERVE_MLA_CUDA_MAX_ROWS", "8", shapes)
     assert mla_cuda.GUARD.failure is None
     for rows, (out, ref, names) in steps.items():
         assert any("mla_split_small" in n for n in names), (rows, sorted(set(names)))
