@@ -7,7 +7,8 @@
 # 47; bench/persistent_probe.py and bench/mixed_steps.py stay for reruns by hand. `all` runs
 # the bench first, so a short budget still measures. `sweeps` (a call
 # of its own) times launch shapes: the grouped experts at 8/64/256 tokens with the down kernel's
-# own shape, and the GEMV at 128 and 256 rows (or, with TESTS=..., those GPU tests instead).
+# own shape, and the GEMV at 128 and 256 rows (with TESTS=..., those GPU tests in place of the GEMV
+# sweep; the grouped sweep runs either way).
 # `k3_tests` is the gate for Kimi-K3's step kernel as a default: greedy tokens in CUDA graphs
 # against eager with the K3 switches on, and the KDA layer's graph replays (runs 55-56: the step
 # kernel diverged in graphs; run 57: fixed, passes). Give it a whole call (~560 s): run 56 ran out
