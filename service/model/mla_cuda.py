@@ -2,7 +2,7 @@
 one (`_mla_decode_split`) at 1-8 sequences.
 
 At one to eight sequences the Triton split kernel is a layer's largest excess over its bytes:
-10.5 us at one sequence for 1.2 MB of KV, 14 us at eight for ~7 MB (H100, run 114). ncu had each
+10.5 us at one sequence for 1.2 MB of KV, 14 us at eight for 9.4 MB (H100, run 114). ncu had each
 warp issuing ~1,900 instructions, one every ~9 cycles (run 62), and neither shorter epilogues,
 16 warps, pipelined half tiles nor loads before the PDL wait moved it (runs 39, 62, 106-110):
 the tile's chain is what Triton generates for a 16-row dot with 8 warps. This kernel writes that
@@ -11,7 +11,7 @@ over the warps by position and by halves of the 576 dims, the value sum by outpu
 Same outputs (the fp32 partials and log-sum-exps the merge reads), same splits, same contract
 for the new token's write and the query's rope.
 
-Runs 116 and 118 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8 us a layer at one
+Runs 116-118 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8 us a layer at one
 sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.98x at 8, the default since.
 
 Compiled with NVRTC at first use on each device (`cuda.bindings`), launched with
