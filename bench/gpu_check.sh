@@ -29,7 +29,8 @@
 # and on the export in DIR (e.g. ../base), alternating, twice each (AB_PAIRS=3: three times; a
 # server takes ~75 s: 55 s to start, 13 s of load): a change to the HTTP process.
 # `goal`: the decode goal table alone (a short budget; BASELINES=a,b adds bench/gpu.py baselines,
-# PROFILE=1,8,64,256 each batch's exposed kernel times). `mla_tma`: MLA
+# PROFILE=1,8,64,256 each batch's exposed kernel times). `ncu_mla`: ncu on the CUDA C MLA split kernel
+# at 1 and 8 sequences. `mla_tma`: MLA
 # decode's TMA tiles standalone against the cp.async kernel at 64 and 256 sequences, then `goal` with their baselines and tests. `serve_std`: the same with uvloop and
 # httptools (wheels in .whl/std/) against asyncio and h11. `serve_gil`: the same with Python's GIL
 # hand-over interval at GIL_MS (default 1) against its 5 ms, in every process of the serve.
@@ -37,7 +38,7 @@
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|goal_ncu|ncu_gemv|mla_tma|mla_tma_kernel] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|goal_ncu|ncu_gemv|ncu_mla|mla_tma|mla_tma_kernel] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -201,6 +202,21 @@ if [ "$what" = ncu_gemv ] || [ "$what" = goal_ncu ]; then  # where a GEMV of 8-6
     echo "== ncu $tag rc=$?"
     grep -E "^  [a-z_]|Duration|Elapsed Cycles|Memory Throughput|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\)|Registers Per|Grid Size|Eligible Warps|Warp Cycles Per Issued|Achieved Occupancy|Issue Slots Busy|Max Bandwidth" \
       "$OUT/ncu_$tag.txt" | cut -c1-160 | head -24
+  done
+fi
+if [ "$what" = ncu_mla ]; then  # what is left of the CUDA C split kernel's 7.8 us a layer at one sequence (run 117)
+  # The memory chain after the PDL wait (context length, block table, KV tile), the fp32 partials'
+  # stores or the tile's barriers: ncu's stall reasons say which. Warm L2, as in a step.
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  for rows in 1 8; do
+    [ "$(left)" -lt 40 ] && break
+    timeout "$(( $(left) > 120 ? 110 : $(left) - 10 ))" "${ncu:-ncu}" --clock-control none --cache-control none \
+      --kernel-name mla_split_small --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+      python3 bench/mla_decode.py --batches "$rows" --write-kv --in-order --cuda > "$OUT/ncu_mla_$rows.txt" 2>&1
+    echo "== ncu mla_split_small $rows rc=$?"
+    grep -E "Duration|Elapsed Cycles|DRAM Throughput|Registers Per|Grid Size|Eligible Warps|Warp Cycles Per Issued|Issue Slots Busy|Stall" \
+      "$OUT/ncu_mla_$rows.txt" | cut -c1-160 | head -24
   done
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed
