@@ -627,6 +627,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # MLA decode's split kernel at 1-8 sequences in Triton, as before the CUDA C one
              # (mla_cuda.py; runs 116/118, H100: the default 0.96-0.97x of this at 1, 0.97-0.98x at 8).
              "mla_cuda_off": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "0"},
+             # The CUDA C split kernel at 32 splits (mla_cuda.splits): at 8 sequences one tile a program
+             # in 256 programs where 16 splits give two in 128, for twice the partials in the merge.
+             # Predicted: the split kernel 10.8 -> ~8 us a layer, the merge +~1 us: ~0.99x at batch 8.
+             "mla_cuda_32_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "32"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

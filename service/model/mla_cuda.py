@@ -44,6 +44,15 @@ def max_rows() -> int:
     return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8"))
 
 
+def splits() -> int | None:
+    """LATENTSERVE_MLA_CUDA_SPLITS (a candidate; unset: `mla_decode.num_splits`, the Triton kernel's
+    count): the split count where this kernel runs. At 8 sequences the count is 16 (two 32-position
+    tiles a program, 128 programs); 32 gives one tile a program in 256 programs (two an SM by shared
+    memory) for twice the partials in the merge (bench/gpu.py's `mla_cuda_32_splits`)."""
+    n = os.environ.get("LATENTSERVE_MLA_CUDA_SPLITS")
+    return int(n) if n else None
+
+
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
 

@@ -266,16 +266,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             or kv_cache.stride(0) != block_size * kv_cache.stride(1)):
         raise ValueError(f"kv cache {tuple(kv_cache.shape)} strides {kv_cache.stride()} do not fit q "
                          f"{tuple(q_lat.shape)} + rope {tuple(q_pe.shape)}")
-    splits = splits or num_splits(b, h)
-    o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
-    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_lat.device)
-    ieee = q_lat.dtype == torch.float32
-    launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}),
-              **(cfg or {})}
-    tma = launch.pop("TMA", False) and mla_decode_tma.plan(kv_cache, block_tables, kv_lora_rank, splits,
-                                                           launch["BLOCK_N"])
-    write = new_kv is not None
-    if write:
+    if new_kv is not None:
         if new_kv.shape != (b, d) or new_kv.dtype != kv_cache.dtype or new_slots is None or new_slots.shape != (b,):
             raise ValueError(f"new_kv {tuple(new_kv.shape)} {new_kv.dtype} / new_slots do not fit batch {b}, "
                              f"width {d}, cache {kv_cache.dtype}")
@@ -284,10 +275,14 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if rope is not None and (cos.shape != (b, q_pe.shape[-1] // 2) or sin.shape != cos.shape
                              or cos.stride() != sin.stride() or cos.stride(-1) != 1):
         raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} do not fit q_pe {tuple(q_pe.shape)}")
-    if not (cfg is None and mla_cuda.supported(q_lat, q_pe, kv_cache, block_tables, context_lens, new_kv, new_slots, rope)
-            and mla_cuda.split(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, o, lse, new_kv, new_slots, rope)):
+    cuda = cfg is None and mla_cuda.supported(q_lat, q_pe, kv_cache, block_tables, context_lens, new_kv, new_slots, rope)
+    splits = splits or (mla_cuda.splits() if cuda else None) or num_splits(b, h)
+    o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
+    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_lat.device)
+    if not (cuda and mla_cuda.split(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, o, lse, new_kv,
+                                    new_slots, rope)):
         _launch_split(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, rope, scale,
-                      splits, launch, tma)
+                      splits, cfg)
     if w_uv is not None:
         if splits == 1:
             return torch.ops.latentserve.mla_absorb_out(o[:, 0], w_uv)
@@ -296,8 +291,9 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 
 def _launch_split(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, rope, scale, splits,
-                  launch, tma) -> None:
-    """The Triton split kernel (cp.async tiles, or TMA ones where `tma` planned them)."""
+                  cfg) -> None:
+    """The Triton split kernel: cp.async tiles, or TMA ones where the launch asks for them and
+    `mla_decode_tma.plan` can lay them out."""
     b, h = q_lat.shape[:2]
     block_size = kv_cache.shape[1]
     d = kv_cache.shape[-1]
@@ -306,6 +302,9 @@ def _launch_split(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new
     cos, sin = (rope[0], rope[1]) if rope is not None else (context_lens, context_lens)
     grid = (b, -(-h // BLOCK_H), splits)
     ieee = q_lat.dtype == torch.float32
+    launch = {"PREFETCH_BT": False, **launch_config(b, h), **({"BLOCK_N": 16} if ieee else {}), **(cfg or {})}
+    tma = launch.pop("TMA", False) and mla_decode_tma.plan(kv_cache, block_tables, kv_lora_rank, splits,
+                                                           launch["BLOCK_N"])
     kernel, caches = _mla_decode_split, (kv_cache,)
     if tma:
         launch.pop("PREFETCH_BT", None)
