@@ -91,7 +91,7 @@ def test_split_count_switch_reaches_only_the_cuda_kernel(monkeypatch):
 
 
 def test_graph_replay_follows_new_contexts(monkeypatch):
-    """Captured once, replayed after the lengths and tables change: the launch reads them on the device."""
+    """Captured once, replayed after the context lengths change: the launch reads them on the device."""
     monkeypatch.setenv("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8")
     q, kv, tables, ctx, ctx_list = case(4, 8, 16, LORA, ROPE, 16, torch.bfloat16, 250)
     scale = 0.05
