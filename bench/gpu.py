@@ -631,6 +631,13 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # in 256 programs where 16 splits give two in 128, for twice the partials in the merge.
              # Predicted: the split kernel 10.8 -> ~8 us a layer, the merge +~1 us: ~0.99x at batch 8.
              "mla_cuda_32_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "32"},
+             # Fewer splits where the CUDA C kernel runs: at one sequence 16 (8) splits of two (four)
+             # tiles, the next tile's copy under the current one's math, and the batch-1 merge_out
+             # kernel (3.8 us a layer, run 117) reads half (a quarter) of the fp32 partials. At 8
+             # sequences 16 is the default. Predicted: ~0.99x at batch 1 for either, if the merge's
+             # saving outweighs the longer split programs.
+             "mla_cuda_16_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "16"},
+             "mla_cuda_8_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "8"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}
