@@ -125,7 +125,8 @@ def _check(err, what: str) -> None:
 
 
 def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, cos, sin, num_heads,
-            scale, block_size, splits, write, rope_mode) -> None:
+            scale, block_size, splits, write, rope_mode) -> bool:
+    """True once launched (`KernelGuard` reads None as a failure)."""
     from cuda.bindings import driver
 
     func, _ = _function(q_lat.device.index)
@@ -151,6 +152,7 @@ def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, n
         cfg.attrs, cfg.numAttrs = [attr], 1
     (err,) = driver.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
     _check(err, "cuLaunchKernelEx")
+    return True
 
 
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -164,9 +166,4 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block
     args = (q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv if write else kv_cache,
             new_slots if write else context_lens, cos, sin, q_lat.shape[1], scale, kv_cache.shape[1], o.shape[1],
             write, rope_mode)
-    return GUARD.call(_launch_op, *args) is not None
-
-
-def _launch_op(*args) -> bool:
-    _launch(*args)
-    return True
+    return GUARD.call(_launch, *args) is not None

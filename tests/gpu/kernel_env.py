@@ -41,13 +41,14 @@ def skip_interpreted_16bit_dot(dtype: torch.dtype) -> None:
         pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
 
 
-def replay_and_eager(worker, rows: int, monkeypatch, switch: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def replay_and_eager(worker, rows: int, monkeypatch, switch: str, on: str = "1"
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """One decode step of `rows` sequences replayed from a graph with the switch (a
-    LATENTSERVE_* variable) on, the eager step with it off, and the replay's kernel names."""
+    LATENTSERVE_* variable) `on`, the eager step with it off ("0"), and the replay's kernel names."""
     from service.engine.plan import SeqChunk, StepPlan
 
     chunks = [SeqChunk(i, [7 + i], 20 + 3 * i, [2 * i, 2 * i + 1]) for i in range(rows)]
-    monkeypatch.setenv(switch, "1")
+    monkeypatch.setenv(switch, on)
     with torch.inference_mode():
         before = worker.decode_graphs.replays
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -72,7 +73,7 @@ def graph_steps(monkeypatch, switch: str, on: str, hf_overrides: dict, rows=(1, 
         with torch.inference_mode():
             for kv in worker.kv_caches:
                 kv.normal_()
-        return {r: replay_and_eager(worker, r, monkeypatch, switch) for r in rows}
+        return {r: replay_and_eager(worker, r, monkeypatch, switch, on) for r in rows}
     finally:
         llm.shutdown()
         torch._dynamo.reset()
