@@ -638,6 +638,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # saving outweighs the longer split programs.
              "mla_cuda_16_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "16"},
              "mla_cuda_8_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "8"},
+             # The CUDA C split kernel at every batch: at 64 sequences 4 splits of 8 tiles (256 programs),
+             # at 256 one split of 32, where the Triton kernel reads at ~0.72 / ~0.88 of the copy rate
+             # (run 114). Untimed; the standalone bench (bench/mla_decode.py --cuda) says first.
+             "mla_cuda_all": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "256"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}
