@@ -627,21 +627,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # MLA decode's split kernel at 1-8 sequences in Triton, as before the CUDA C one
              # (mla_cuda.py; runs 116/118, H100: the default 0.96-0.97x of this at 1, 0.97-0.98x at 8).
              "mla_cuda_off": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "0"},
-             # The CUDA C split kernel at 32 splits (mla_cuda.splits): at 8 sequences one tile a program
-             # in 256 programs where 16 splits give two in 128, for twice the partials in the merge.
-             # Predicted: the split kernel 10.8 -> ~8 us a layer, the merge +~1 us: ~0.99x at batch 8.
-             "mla_cuda_32_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "32"},
-             # Fewer splits where the CUDA C kernel runs: at one sequence 16 (8) splits of two (four)
-             # tiles, the next tile's copy under the current one's math, and the batch-1 merge_out
-             # kernel (3.8 us a layer, run 117) reads half (a quarter) of the fp32 partials. At 8
-             # sequences 16 is the default. Predicted: ~0.99x at batch 1 for either, if the merge's
-             # saving outweighs the longer split programs.
+             # The CUDA C split kernel at the Triton kernel's split count, 16 at 8 sequences (two tiles a
+             # program), as before its own count (mla_cuda.splits: 32 there, 0.99x, run 119, H100).
+             # Runs 119 also timed 16 and 8 splits at one sequence (1.06x, 1.09x: lost) and the kernel at
+             # every batch (`MAX_ROWS=256`: 1.00x at 64, 1.01x at 256; standalone 0.99x at both).
              "mla_cuda_16_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "16"},
-             "mla_cuda_8_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "8"},
-             # The CUDA C split kernel at every batch: at 64 sequences 4 splits of 8 tiles (256 programs),
-             # at 256 one split of 32, where the Triton kernel reads at ~0.72 / ~0.88 of the copy rate
-             # (run 114). Untimed; the standalone bench (bench/mla_decode.py --cuda) says first.
-             "mla_cuda_all": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "256"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -213,10 +213,13 @@ if [ "$what" = ncu_mla ]; then  # what is left of the CUDA C split kernel's 7.8 
     timeout "$(( $(left) > 120 ? 110 : $(left) - 10 ))" "${ncu:-ncu}" --clock-control none --cache-control none \
       --kernel-name mla_split_small --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
       python3 bench/mla_decode.py --batches "$rows" --write-kv --in-order --cuda > "$OUT/ncu_mla_$rows.txt" 2>&1
     echo "== ncu mla_split_small $rows rc=$?"
     grep -E "Duration|Elapsed Cycles|DRAM Throughput|Registers Per|Grid Size|Eligible Warps|Warp Cycles Per Issued|Issue Slots Busy|Stall" \
       "$OUT/ncu_mla_$rows.txt" | cut -c1-160 | head -24
+    # each stall reason's warps a issued instruction, the largest first (the sections name only the top one)
+    grep -E "issue_stalled_.*ratio" "$OUT/ncu_mla_$rows.txt" | awk '{print $NF, $1}' | sort -rn | head -8
   done
 fi
 if [ "$what" = k3 ]; then  # Kimi-K3's structure (KDA + MLA layers) in decode graphs, eager and graphed

@@ -11,8 +11,9 @@ over the warps by position and by halves of the 576 dims, the value sum by outpu
 Same outputs (the fp32 partials and log-sum-exps the merge reads), same splits, same contract
 for the new token's write and the query's rope.
 
-Runs 116-118 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8 us a layer at one
-sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.98x at 8, the default since.
+Runs 116-119 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8 us a layer at one
+sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.99x at 8, the default since.
+Timed at 64 and 256 sequences too (run 119): 0.99x standalone, 1.00-1.01x in the step, so not there.
 
 Compiled with NVRTC at first use on each device (`cuda.bindings`), launched with
 `cuLaunchKernelEx` on torch's current stream (CUDA graphs capture it) and PDL where the Triton
@@ -44,13 +45,19 @@ def max_rows() -> int:
     return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8"))
 
 
-def splits() -> int | None:
-    """LATENTSERVE_MLA_CUDA_SPLITS (a candidate; unset: `mla_decode.num_splits`, the Triton kernel's
-    count): the split count where this kernel runs. At 8 sequences the count is 16 (two 32-position
-    tiles a program, 128 programs); 32 gives one tile a program in 256 programs (two an SM by shared
-    memory) for twice the partials in the merge (bench/gpu.py's `mla_cuda_32_splits`)."""
+def splits(batch: int, num_heads: int) -> int:
+    """The split count where this kernel runs: a power of 2 up to 32 that makes ~256 programs (two an
+    SM by shared memory), one 32-position tile a program at 8 sequences of context 1024. The Triton
+    kernel's count (`mla_decode.num_splits`, ~128 programs) gave 16 there; 32 took batch 8's step
+    from 3.359 to 3.320 ms (run 119, H100, 0.99x) for twice the partials to merge. At one sequence
+    both give 32; 16 and 8 there lost (1.06x, 1.09x: longer programs outweigh merge_out's fewer
+    partials). LATENTSERVE_MLA_CUDA_SPLITS overrides it (bench/gpu.py's `mla_cuda_16_splits`: the
+    Triton kernel's count at 8 sequences)."""
     n = os.environ.get("LATENTSERVE_MLA_CUDA_SPLITS")
-    return int(n) if n else None
+    if n:
+        return int(n)
+    fit = max(1, 256 // (batch * -(-num_heads // HEADS)))
+    return min(32, 1 << (fit.bit_length() - 1))
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
