@@ -15,23 +15,20 @@ Runs 116-119 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8
 sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.99x at 8, the default since.
 Timed at 64 and 256 sequences too (run 119): 0.99x standalone, 1.00-1.01x in the step, so not there.
 
-Compiled with NVRTC at first use on each device (`cuda.bindings`), launched with
-`cuLaunchKernelEx` on torch's current stream (CUDA graphs capture it) and PDL where the Triton
-kernels have it. LATENTSERVE_MLA_CUDA_MAX_ROWS (8; 0: the Triton kernel, bench/gpu.py's
-`mla_cuda_off`). Without `cuda.bindings` the Triton kernel runs; a build or first-launch failure
-turns this one off for the process (`KernelGuard`).
+Built and launched by nvrtc.py. LATENTSERVE_MLA_CUDA_MAX_ROWS (8; 0: the Triton kernel,
+bench/gpu.py's `mla_cuda_off`). Without `cuda.bindings` the Triton kernel runs; a build or
+first-launch failure turns this one off for the process (`KernelGuard`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from pathlib import Path
 
 import torch
 
-from . import pdl
+from . import nvrtc
 from .kernel_guard import KernelGuard
 
 GUARD = KernelGuard("mla_cuda")
@@ -69,7 +66,7 @@ def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, b
               rope: tuple | None) -> bool:
     """bf16 throughout, a 512-wide latent and 64-wide rope part, int64 tables and lengths, fp32 rope
     tables, 16-byte aligned rows, power-of-2 cache blocks, sm_90 or later, up to `max_rows` sequences."""
-    if GUARD.failure is not None or not q_lat.is_cuda or not 0 < q_lat.shape[0] <= max_rows() or not _bindings():
+    if GUARD.failure is not None or not q_lat.is_cuda or not 0 < q_lat.shape[0] <= max_rows() or not nvrtc.available():
         return False
     block_size = kv_cache.shape[1]
     ok = (q_lat.dtype == q_pe.dtype == kv_cache.dtype == torch.bfloat16 and q_lat.shape[-1] == D_LAT
@@ -84,82 +81,19 @@ def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, b
     return ok
 
 
-@functools.cache
-def _bindings() -> bool:
-    """cuda.bindings' driver and NVRTC modules import (a GPU install without them keeps the Triton kernel)."""
-    try:
-        from cuda.bindings import driver, nvrtc  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _function(device_index: int):
-    """The compiled kernel on this device: (CUfunction, the module that owns it)."""
-    from cuda.bindings import driver, nvrtc
-
-    major, minor = torch.cuda.get_device_capability(device_index)
-    err, prog = nvrtc.nvrtcCreateProgram(SOURCE.read_bytes(), b"mla_small.cu", 0, [], [])
-    _check(err, "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device", b"--std=c++17"]
-    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(f"NVRTC could not compile {SOURCE.name}: {log.decode(errors='replace')}")
-    err, size = nvrtc.nvrtcGetCUBINSize(prog)
-    _check(err, "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
-    torch.cuda.init()
-    with torch.cuda.device(device_index):
-        torch.cuda.current_stream()  # torch's primary context current on this thread
-        image = ctypes.create_string_buffer(cubin, size)
-        err, module = driver.cuModuleLoadData(ctypes.addressof(image))
-        _check(err, "cuModuleLoadData")
-        err, func = driver.cuModuleGetFunction(module, b"mla_split_small")
-        _check(err, "cuModuleGetFunction")
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(func, attr, SMEM_BYTES)[0], "cuFuncSetAttribute")
-    return func, module
-
-
-def _check(err, what: str) -> None:
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {err!r}")
-
-
 def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, cos, sin, num_heads,
             scale, block_size, splits, write, rope_mode) -> bool:
-    """True once launched (`KernelGuard` reads None as a failure)."""
-    from cuda.bindings import driver
-
-    func, _ = _function(q_lat.device.index)
-    b = q_lat.shape[0]
-    c_ptr, c_i64, c_int, c_float = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
-    values = [c_ptr(t.data_ptr()) for t in (q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv,
-                                            new_slots, cos, sin)]
-    values += [c_i64(s) for s in (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-                                  kv_cache.stride(1), block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2),
-                                  lse.stride(0), lse.stride(1), new_kv.stride(0) if write else 0, cos.stride(0))]
-    values += [c_int(num_heads), c_float(scale), c_int(block_size.bit_length() - 1), c_int(splits), c_int(int(write)),
-               c_int(rope_mode)]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = b, -(-num_heads // HEADS), splits
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = THREADS, 1, 1
-    cfg.sharedMemBytes = SMEM_BYTES
-    cfg.hStream = driver.CUstream(torch.cuda.current_stream(q_lat.device).cuda_stream)
-    if pdl.enabled(q_lat.device):
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg.attrs, cfg.numAttrs = [attr], 1
-    (err,) = driver.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
-    _check(err, "cuLaunchKernelEx")
-    return True
+    func = nvrtc.function(SOURCE, "mla_split_small", q_lat.device.index, SMEM_BYTES)
+    c_i64, c_int, c_float = ctypes.c_longlong, ctypes.c_int, ctypes.c_float
+    args = [nvrtc.ptr(t) for t in (q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, cos,
+                                   sin)]
+    args += [c_i64(s) for s in (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(1),
+                                block_tables.stride(0), o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
+                                lse.stride(1), new_kv.stride(0) if write else 0, cos.stride(0))]
+    args += [c_int(num_heads), c_float(scale), c_int(block_size.bit_length() - 1), c_int(splits), c_int(int(write)),
+             c_int(rope_mode)]
+    grid = (q_lat.shape[0], -(-num_heads // HEADS), splits)
+    return nvrtc.launch(func, grid, THREADS, SMEM_BYTES, q_lat.device, args)
 
 
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

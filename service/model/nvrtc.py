@@ -1,0 +1,104 @@
+"""The hand-written CUDA C kernels' build and launch (mla_small.cu, gemv_small.cu).
+
+Each .cu file is compiled by NVRTC at first use on each device through `cuda.bindings` (no
+toolkit at install time, no headers: the files declare what they use) and its kernels are
+launched with `cuLaunchKernelEx` on torch's current stream, so CUDA graphs capture them like any
+other kernel, with programmatic dependent launch where the Triton kernels have it (pdl.py). A
+machine without `cuda.bindings` keeps the Triton kernels; each caller's `KernelGuard` turns its
+kernel off for the process when a build or first launch fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from . import pdl
+
+
+@functools.cache
+def available() -> bool:
+    """cuda.bindings' driver and NVRTC modules import."""
+    try:
+        from cuda.bindings import driver, nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check(err, what: str) -> None:
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+
+
+@functools.cache
+def _module(source: Path, device_index: int):
+    """The compiled module of `source` on this device (kept alive by this cache)."""
+    from cuda.bindings import driver, nvrtc
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), 0, [], [])
+    check(err, "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device", b"--std=c++17"]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC could not compile {source.name}: {log.decode(errors='replace')}")
+    err, size = nvrtc.nvrtcGetCUBINSize(prog)
+    check(err, "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
+    torch.cuda.init()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()  # torch's primary context current on this thread
+        image = ctypes.create_string_buffer(cubin, size)
+        err, module = driver.cuModuleLoadData(ctypes.addressof(image))
+        check(err, "cuModuleLoadData")
+    return module
+
+
+@functools.cache
+def function(source: Path, name: str, device_index: int, smem_bytes: int = 0):
+    """Kernel `name` of `source` on this device, allowed `smem_bytes` of dynamic shared memory."""
+    from cuda.bindings import driver
+
+    module = _module(source, device_index)
+    with torch.cuda.device(device_index):
+        err, func = driver.cuModuleGetFunction(module, name.encode())
+        check(err, "cuModuleGetFunction")
+        if smem_bytes > 48 * 1024:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(func, attr, smem_bytes)[0], "cuFuncSetAttribute")
+    return func
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def launch(func, grid: tuple[int, int, int], threads: int, smem_bytes: int, device: torch.device,
+           args: list) -> bool:
+    """func<<<grid, threads, smem_bytes>>> on torch's current stream of `device`, with PDL where it is
+    on; args are ctypes values in the kernel's parameter order. True once launched (a `KernelGuard`
+    reads None as a failure)."""
+    from cuda.bindings import driver
+
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in args])
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+    cfg.sharedMemBytes = smem_bytes
+    cfg.hStream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    if pdl.enabled(device):
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs, cfg.numAttrs = [attr], 1
+    (err,) = driver.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
+    check(err, "cuLaunchKernelEx")
+    return True
