@@ -1,7 +1,7 @@
 """Decode-sized projections on one GPU: our GEMV (service/model/gemv.py) and the MoE expert
 kernels against cuBLAS, as achieved bandwidth over the copy bandwidth measured in the same run.
 
-    python bench/gemv.py [--rows 1 4 8] [--sweep] [--json out.json]
+    python bench/gemv.py [--rows 1 4 8] [--sweep] [--cuda] [--json out.json]
 
 Shapes are the `small` preset's decode projections (bench/gpu.py's model). Each measurement is
 a CUDA graph of back-to-back calls, as a decode step replays them, cycling through enough
@@ -10,7 +10,9 @@ copies of the weight that it never sits in L2 (the H200's is 50 MB; one decode s
 tensor-core tiles from two) and of the expert kernels and prints the best, which is how the
 defaults in gemv.config, gemv.dot_config and moe_kernels were chosen. At one row each line also
 times the 512-wide K steps used before whole-K slices (`k512_us`), from two rows the register
-product the rows ran as before the tensor-core tiles (`product_us`).
+product the rows ran as before the tensor-core tiles (`product_us`). --cuda also times the CUDA C
+GEMV (service/model/gemv_cuda.py) at up to 16 rows on the same weights (`cuda_us`, `cuda_vs_ours`)
+and its largest difference from our Triton result (`cuda_max_err`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from gpu import copy_bandwidth  # noqa: E402
 
-from service.model import gemv, moe_kernels, pdl  # noqa: E402
+from service.model import gemv, gemv_cuda, moe_kernels, pdl  # noqa: E402
 
 # (name, N, K) of the small preset: hidden 2048, 16 heads, q_lora 768, kv_lora 512 + rope 64,
 # latent 1024, shared expert 768, dense MLP 5632, vocab 32768.
@@ -89,7 +91,26 @@ def weights(n: int, k: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda").to(dtype) / k ** 0.5 for _ in range(copies)]
 
 
-def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> list[dict]:
+def cuda_gemv(x, ws, y, t_ours: float, nbytes: int, bw: float) -> dict:
+    """The CUDA C GEMV on the same rows and weights, against our Triton kernel's time and result."""
+    before = os.environ.get("LATENTSERVE_GEMV_CUDA_MAX_ROWS")
+    os.environ["LATENTSERVE_GEMV_CUDA_MAX_ROWS"] = str(gemv_cuda.MAX_ROWS)
+    try:
+        if not gemv_cuda.supported(x, ws[0]):
+            return {"cuda_off": gemv_cuda.GUARD.failure or "unsupported"}
+        y2 = torch.empty_like(y)
+        t = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
+        gemv_cuda.run(x, ws[0], y2)
+        err = (y2.float() - F.linear(x, ws[0]).float()).abs().max().item()
+    finally:
+        os.environ.pop("LATENTSERVE_GEMV_CUDA_MAX_ROWS")
+        if before is not None:
+            os.environ["LATENTSERVE_GEMV_CUDA_MAX_ROWS"] = before
+    return {"cuda_us": t * 1e6, "cuda_vs_ours": t / t_ours, "cuda_of_copy_bw": nbytes / t / bw, "cuda_max_err": err,
+            "cuda_off": gemv_cuda.GUARD.failure}
+
+
+def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str], cuda: bool = False) -> list[dict]:
     out = []
     sms = gemv.sm_count(torch.device("cuda"))
     for (name, n, k), m in itertools.product([s for s in SHAPES if not shapes or s[0] in shapes], rows):
@@ -108,6 +129,8 @@ def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str]) -> li
         if cfg.get("DOT") and m <= 64:  # the register product these rows ran as before the tensor-core tiles
             product = gemv.config(m, n, k, sms)
             row["product_us"] = graph_seconds(lambda w: gemv.launch(x, w, y, product), ws) * 1e6  # noqa: B023
+        if cuda and m <= gemv_cuda.MAX_ROWS:
+            row.update(cuda_gemv(x, ws, y, t_ours, nbytes, bw))
         if sweep:
             best = (t_ours, cfg)
             # One row: the register product's rows and K steps (whole K from 1024 on); more rows:
@@ -223,13 +246,14 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", nargs="*", default=[], help="names from SHAPES (default all)")
     ap.add_argument("--skip-experts", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="also the CUDA C GEMV (gemv_cuda.py), up to 16 rows")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemv.py needs a CUDA GPU")
     bw = copy_bandwidth("cuda")
     print(json.dumps({"copy_bandwidth_TBps": bw / 1e12, "device": torch.cuda.get_device_name()}), flush=True)
-    rows = bench_gemv(args.rows, args.sweep, bw, args.shapes)
+    rows = bench_gemv(args.rows, args.sweep, bw, args.shapes, args.cuda)
     if not args.skip_experts:
         rows += bench_experts(args.rows, args.sweep, bw)
     if args.json:

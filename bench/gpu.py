@@ -632,6 +632,11 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # Runs 119 also timed 16 and 8 splits at one sequence (1.06x, 1.09x: lost) and the kernel at
              # every batch (`MAX_ROWS=256`: 1.00x at 64, 1.01x at 256; standalone 0.99x at both).
              "mla_cuda_16_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "16"},
+             # The decode GEMVs at 1-16 rows in CUDA C (gemv_cuda.py): W and x straight into mma
+             # fragments, W loaded before the PDL wait, 8 outputs a program, 4 warps splitting K.
+             # Predicted: the four GEMVs at 8 rows 23.4 -> ~14 us a layer (batch 8 ~0.92x), at one
+             # row 13.6 -> ~11 (~0.97x); nothing at 64 or 256.
+             "gemv_cuda": {"LATENTSERVE_GEMV_CUDA_MAX_ROWS": "16"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

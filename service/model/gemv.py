@@ -28,7 +28,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 from ..weights.fp8 import block_of, kernel_operands
-from . import act_kernels, pdl
+from . import act_kernels, gemv_cuda, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
@@ -373,7 +373,8 @@ if triton is not None:
         x2 = _rows(x)
         m, n = x2.shape[0], weight.shape[0]
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        launch(x2, weight, y, shape(m, n, k, sm_count(x.device), x.element_size()))
+        if not (gemv_cuda.supported(x2, weight) and gemv_cuda.run(x2, weight, y)):
+            launch(x2, weight, y, shape(m, n, k, sm_count(x.device), x.element_size()))
         return y.view(*x.shape[:-1], n)
 
     def _gated(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float, linear_beta: float | None):
@@ -405,6 +406,9 @@ if triton is not None:
         if slots and b.shape[0] != 1:  # the tiles' pipeline would stage every slot's fp32 rows (270 KB)
             raise ValueError(f"slots: one row only, got {b.shape[0]}")
         y = torch.empty(b.shape[0], weight.shape[0], dtype=weight.dtype, device=x.device)
+        plain = norm is None and scale2 is None and not slots
+        if plain and gemv_cuda.supported(a, weight, (b, weight2)) and gemv_cuda.run(a, weight, y, (b, weight2)):
+            return y
         launch(a, weight, y, shape(b.shape[0], weight.shape[0], max(a.shape[1], b.shape[1]), sm_count(x.device),
                                    weight.element_size()), pair=(b, weight2), norm=norm, slots=slots, scale2=scale2)
         return y

@@ -1,0 +1,144 @@
+// The decode GEMV for 1-16 rows, hand-written (gemv_cuda.py says why and when):
+// y[M, N] = x[M, K] @ W[N, K]^T (+ x2[M, K2] @ W2[N, K2]^T, one fp32 sum), bf16 in and out.
+//
+// The product runs transposed on mma.m16n8k16, x as the 16-row operand (rows past M are zeros)
+// and 8 rows of W as the 8-column one, so a program owns 8 outputs and no row of W is padded.
+// Each thread reads its operands straight from global memory into the fragments' registers,
+// 16 bytes at a time: the sum over K does not care which K a fragment slot holds, so slot pair
+// (2t, 2t+1) / (2t+8, 2t+9) of two MMAs takes elements 8t..8t+7 of each row of a 32-wide chunk,
+// for W and for x alike. No shared memory on the way in, no ldmatrix, no barrier in the loop.
+// The 4 warps split K by chunks; their partial 16 x 8 tiles add in shared memory at the end.
+// W is read before the PDL wait (no kernel of a step writes weights); x only after it.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#define UNROLL 8  // chunks of 32 a warp has in flight
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16 bytes, or zeros where ok is false. Weights are read once a step: past L1 (no_allocate). Not
+// through the read-only path (ld.global.nc): ptxas moves those loads below griddepcontrol.wait
+// (the SASS of that version had every weight load after ACQBULK), where coherent loads stay put.
+__device__ __forceinline__ uint4 load_weights16(const bf16_t* p, bool ok) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (ok)
+        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 load_rows16(const bf16_t* p, bool ok) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (ok)
+        asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// The thread's 8 weights (row n0 + g) of each of its warp's next UNROLL chunks from chunk `first`.
+__device__ __forceinline__ void load_w(uint4* wv, const bf16_t* wrow, bool row_ok, int first, int K, int t) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int k = (first + u * WARPS) * 32 + 8 * t;
+        wv[u] = load_weights16(wrow + k, row_ok && k < K);
+    }
+}
+
+// acc += x[:, K] @ W[n0 : n0 + 8, K]^T over this warp's chunks, with wv already holding the first
+// UNROLL of them. TALL: rows 8-15 of x too.
+template <bool TALL>
+__device__ __forceinline__ void accumulate(float* acc, uint4* wv, const bf16_t* x, i64 sx, const bf16_t* wrow,
+                                           bool row_ok, int M, int K, int warp, int g, int t) {
+    const int chunks = (K + 31) / 32;
+    const bf16_t* xlo = x + (i64)g * sx;
+    const bf16_t* xhi = x + (i64)(g + 8) * sx;
+    for (int first = warp; first < chunks; first += UNROLL * WARPS) {
+        uint4 xa[UNROLL], xb[UNROLL], wn[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = (first + u * WARPS) * 32 + 8 * t;
+            xa[u] = load_rows16(xlo + k, g < M && k < K);
+            xb[u] = TALL ? load_rows16(xhi + k, g + 8 < M && k < K) : make_uint4(0, 0, 0, 0);
+        }
+        const int next = first + UNROLL * WARPS;
+        if (next < chunks) load_w(wn, wrow, row_ok, next, K, t);  // in flight under this group's MMAs
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            mma(acc, xa[u].x, xb[u].x, xa[u].y, xb[u].y, wv[u].x, wv[u].y);
+            mma(acc, xa[u].z, xb[u].z, xa[u].w, xb[u].w, wv[u].z, wv[u].w);
+        }
+        if (next < chunks) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) wv[u] = wn[u];
+        }
+    }
+}
+
+template <bool TALL>
+__device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                                          const bf16_t* __restrict__ x2, const bf16_t* __restrict__ w2,
+                                          bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M,
+                                          int N, int K, int K2, int pair) {
+    __shared__ float part[WARPS][16][8];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 8;
+    const bool row_ok = n0 + g < N;
+    const bf16_t* wrow = w + (i64)(row_ok ? n0 + g : 0) * sw;
+    uint4 wv[UNROLL];
+    load_w(wv, wrow, row_ok, warp, K, t);
+
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    accumulate<TALL>(acc, wv, x, sx, wrow, row_ok, M, K, warp, g, t);
+    if (pair) {
+        const bf16_t* wrow2 = w2 + (i64)(row_ok ? n0 + g : 0) * sw2;
+        load_w(wv, wrow2, row_ok, warp, K2, t);
+        accumulate<TALL>(acc, wv, x2, sx2, wrow2, row_ok, M, K2, warp, g, t);
+    }
+
+    // acc: rows g and g + 8 of x, outputs n0 + 2t and n0 + 2t + 1
+    part[warp][g][2 * t] = acc[0];
+    part[warp][g][2 * t + 1] = acc[1];
+    part[warp][g + 8][2 * t] = acc[2];
+    part[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    const int m = tid >> 3, n = tid & 7;
+    if (m < M && n0 + n < N) {
+        float sum = 0.f;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) sum += part[v][m][n];
+        y[(i64)m * sy + n0 + n] = f2bf(sum);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_small_8(
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,
+    const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M, int N,
+    int K, int K2, int pair) {
+    gemv_body<false>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_small_16(
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,
+    const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M, int N,
+    int K, int K2, int pair) {
+    gemv_body<true>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);
+}
