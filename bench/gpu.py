@@ -627,16 +627,14 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # MLA decode's split kernel at 1-8 sequences in Triton, as before the CUDA C one
              # (mla_cuda.py; runs 116/118, H100: the default 0.96-0.97x of this at 1, 0.97-0.98x at 8).
              "mla_cuda_off": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "0"},
-             # The CUDA C split kernel at the Triton kernel's split count, 16 at 8 sequences (two tiles a
-             # program), as before its own count (mla_cuda.splits: 32 there, 0.99x, run 119, H100).
-             # Runs 119 also timed 16 and 8 splits at one sequence (1.06x, 1.09x: lost) and the kernel at
-             # every batch (`MAX_ROWS=256`: 1.00x at 64, 1.01x at 256; standalone 0.99x at both).
-             "mla_cuda_16_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "16"},
-             # The decode GEMVs at 1-16 rows in CUDA C (gemv_cuda.py): W and x straight into mma
-             # fragments, W loaded before the PDL wait, 8 outputs a program, 4 warps splitting K.
-             # Predicted: the four GEMVs at 8 rows 23.4 -> ~14 us a layer (batch 8 ~0.92x), at one
-             # row 13.6 -> ~11 (~0.97x); nothing at 64 or 256.
-             "gemv_cuda": {"LATENTSERVE_GEMV_CUDA_MAX_ROWS": "16"},
+             # The CUDA C split kernel at 32 splits: at 8 sequences one tile a program in 256 programs where
+             # the default (the Triton kernel's count, 16) gives two in 128. Runs 119-120 (H100): 3.320 and
+             # 3.387 ms against 3.356-3.366 at 16; within the runs' noise. 16 and 8 splits at one
+             # sequence lost (1.06x, 1.09x), the kernel at 64/256 sequences too (1.00x, 1.01x).
+             "mla_cuda_32_splits": {"LATENTSERVE_MLA_CUDA_SPLITS": "32"},
+             # The decode GEMVs at 1-16 rows in Triton, as before the CUDA C GEMV (gemv_cuda.py; run 120,
+             # H100: the default 0.99x of this at batch 1, 0.97x at 8).
+             "gemv_cuda_off": {"LATENTSERVE_GEMV_CUDA_MAX_ROWS": "0"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -10,9 +10,12 @@ W before the PDL wait and x after it, with no shared memory or barrier in its lo
 K. The MLA split kernel's hand-written version (mla_cuda.py) took that kernel's time in the step
 from 10.5 to 7.8 us where five Triton reshapings had not.
 
+Run 120 (H100, bench/RESULTS.md): standalone 0.68-0.94x of the Triton GEMV's time at 8 rows and
+0.85-1.01x at one; steps 0.99x at batch 1 and 0.97x at 8. The default since.
+
 bf16 only (FP8 rows keep fp8.py's kernel), plain or paired (`gemv_pair` without its norm); built
-and launched by nvrtc.py. LATENTSERVE_GEMV_CUDA_MAX_ROWS: up to this many rows (at most 16); 0 by
-default, a candidate (bench/gpu.py's `gemv_cuda`).
+and launched by nvrtc.py. LATENTSERVE_GEMV_CUDA_MAX_ROWS: up to this many rows (at most 16; 0:
+the Triton GEMV throughout, bench/gpu.py's `gemv_cuda_off`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ OUTPUTS, THREADS, MAX_ROWS = 8, 128, 16
 
 
 def max_rows() -> int:
-    return min(MAX_ROWS, int(os.environ.get("LATENTSERVE_GEMV_CUDA_MAX_ROWS", "0")))
+    return min(MAX_ROWS, int(os.environ.get("LATENTSERVE_GEMV_CUDA_MAX_ROWS", "16")))
 
 
 def _operand_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

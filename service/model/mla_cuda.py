@@ -42,19 +42,13 @@ def max_rows() -> int:
     return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8"))
 
 
-def splits(batch: int, num_heads: int) -> int:
-    """The split count where this kernel runs: a power of 2 up to 32 that makes ~256 programs (two an
-    SM by shared memory), one 32-position tile a program at 8 sequences of context 1024. The Triton
-    kernel's count (`mla_decode.num_splits`, ~128 programs) gave 16 there; 32 took batch 8's step
-    from 3.359 to 3.320 ms (run 119, H100, 0.99x) for twice the partials to merge. At one sequence
-    both give 32; 16 and 8 there lost (1.06x, 1.09x: longer programs outweigh merge_out's fewer
-    partials). LATENTSERVE_MLA_CUDA_SPLITS overrides it (bench/gpu.py's `mla_cuda_16_splits`: the
-    Triton kernel's count at 8 sequences)."""
+def splits() -> int | None:
+    """LATENTSERVE_MLA_CUDA_SPLITS: the split count where this kernel runs (unset: the Triton
+    kernel's, `mla_decode.num_splits`, 32 at one sequence and 16 at eight). 32 at eight sequences
+    (one tile a program in 256 programs, bench/gpu.py's `mla_cuda_32_splits`) was 0.99x and 1.01x in
+    runs 119-120 (H100): noise. 16 and 8 at one sequence lost (1.06x, 1.09x, run 119)."""
     n = os.environ.get("LATENTSERVE_MLA_CUDA_SPLITS")
-    if n:
-        return int(n)
-    fit = max(1, 256 // (batch * -(-num_heads // HEADS)))
-    return min(32, 1 << (fit.bit_length() - 1))
+    return int(n) if n else None
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:

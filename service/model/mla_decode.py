@@ -276,7 +276,7 @@ def _mla_decode(q_cat: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                              or cos.stride() != sin.stride() or cos.stride(-1) != 1):
         raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} do not fit q_pe {tuple(q_pe.shape)}")
     cuda = cfg is None and mla_cuda.supported(q_lat, q_pe, kv_cache, block_tables, context_lens, new_kv, new_slots, rope)
-    splits = splits or (mla_cuda.splits(b, h) if cuda else num_splits(b, h))
+    splits = splits or (mla_cuda.splits() if cuda else None) or num_splits(b, h)
     o = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_lat.device)
     if not (cuda and mla_cuda.split(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, o, lse, new_kv,
