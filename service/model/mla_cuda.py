@@ -15,9 +15,15 @@ Runs 116-119 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8
 sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.99x at 8, the default since.
 Timed at 64 and 256 sequences too (run 119): 0.99x standalone, 1.00-1.01x in the step, so not there.
 
-Built and launched by nvrtc.py. LATENTSERVE_MLA_CUDA_MAX_ROWS (8; 0: the Triton kernel,
-bench/gpu.py's `mla_cuda_off`). Without `cuda.bindings` the Triton kernel runs; a build or
-first-launch failure turns this one off for the process (`KernelGuard`).
+**Off by default again since runs 120-121**: the engine's decode graphs with this kernel differed
+from the eager step (0.12 and 0.18 relative, test_mla_cuda.py's decode-graph test), where every
+standalone test passed. The suspected cause, mended but not yet run on a GPU: its inputs were
+loaded through the read-only path (ld.global.nc), which PTX allows only for data no kernel writes
+during its lifetime, and under PDL the kernel before it is still writing q when it starts.
+
+Built and launched by nvrtc.py. LATENTSERVE_MLA_CUDA_MAX_ROWS (0: the Triton kernel; 8, bench/gpu.py's
+`mla_cuda`, to be the default again once that test passes). Without `cuda.bindings` the Triton
+kernel runs; a build or first-launch failure turns this one off for the process (`KernelGuard`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ SMEM_BYTES = HEADS * _QS * 2 + 2 * TILE * _QS * 2 + 2 * HEADS * _SS * 4 + HEADS 
 
 
 def max_rows() -> int:
-    return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8"))
+    return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "0"))
 
 
 def splits() -> int | None:

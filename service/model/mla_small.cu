@@ -81,13 +81,18 @@ __device__ __forceinline__ void copy_tile(bf16_t* dst, const i64* slots, const b
     asm volatile("cp.async.commit_group;");
 }
 
+// No __restrict__ on the inputs: with it every input load compiled to the read-only path
+// (LDG.CONSTANT, ld.global.nc), which PTX allows only for data read-only for the kernel's whole
+// lifetime. Under PDL this kernel starts while the one before it still writes q, and the buffers
+// of one layer's q are the next layer's; coherent loads after griddepcontrol.wait see those writes.
+// (Runs 120-121: the engine's decode graphs with this kernel differed from the eager step, 0.12-0.18
+// relative, where every standalone test passed.)
 extern "C" __global__ void __launch_bounds__(THREADS) mla_split_small(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ qpe, bf16_t* kv, const i64* __restrict__ bt,
-    const i64* __restrict__ ctx_lens, float* __restrict__ o, float* __restrict__ lse,
-    const bf16_t* __restrict__ new_kv, const i64* __restrict__ new_slots, const float* __restrict__ cos_t,
-    const float* __restrict__ sin_t, i64 stride_qb, i64 stride_qh, i64 stride_pb, i64 stride_ph, i64 stride_slot,
-    i64 stride_bt, i64 stride_ob, i64 stride_os, i64 stride_oh, i64 stride_lb, i64 stride_ls, i64 stride_new,
-    i64 stride_cs, int num_heads, float scale, int block_log2, int num_splits, int write_kv, int rope) {
+    const bf16_t* q, const bf16_t* qpe, bf16_t* kv, const i64* bt, const i64* ctx_lens, float* __restrict__ o,
+    float* __restrict__ lse, const bf16_t* new_kv, const i64* new_slots, const float* cos_t, const float* sin_t,
+    i64 stride_qb, i64 stride_qh, i64 stride_pb, i64 stride_ph, i64 stride_slot, i64 stride_bt, i64 stride_ob,
+    i64 stride_os, i64 stride_oh, i64 stride_lb, i64 stride_ls, i64 stride_new, i64 stride_cs, int num_heads,
+    float scale, int block_log2, int num_splits, int write_kv, int rope) {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* sQ = (bf16_t*)smem;                  // [HB][QS]
     bf16_t* sK = sQ + HB * QS;                   // [2][TILE][QS]
