@@ -102,18 +102,12 @@ def cuda_gemv(x, ws, y, t_ours: float, nbytes: int, bw: float) -> dict:
         t = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
         gemv_cuda.run(x, ws[0], y2)
         err = (y2.float() - F.linear(x, ws[0]).float()).abs().max().item()
-        wide = {}
-        if x.shape[0] > 1:  # 16 outputs a program (LATENTSERVE_GEMV_CUDA_WIDE)
-            os.environ["LATENTSERVE_GEMV_CUDA_WIDE"] = "1"
-            t_wide = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
-            wide = {"cuda_wide_us": t_wide * 1e6, "cuda_wide_vs_cuda": t_wide / t}
     finally:
         os.environ.pop("LATENTSERVE_GEMV_CUDA_MAX_ROWS")
-        os.environ.pop("LATENTSERVE_GEMV_CUDA_WIDE", None)
         if before is not None:
             os.environ["LATENTSERVE_GEMV_CUDA_MAX_ROWS"] = before
     return {"cuda_us": t * 1e6, "cuda_vs_ours": t / t_ours, "cuda_of_copy_bw": nbytes / t / bw, "cuda_max_err": err,
-            **wide, "cuda_off": gemv_cuda.GUARD.failure}
+            "cuda_off": gemv_cuda.GUARD.failure}
 
 
 def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str], cuda: bool = False) -> list[dict]:

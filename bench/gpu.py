@@ -636,9 +636,6 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The decode GEMVs at 1-16 rows in Triton, as before the CUDA C GEMV (gemv_cuda.py; run 120,
              # H100: the default 0.99x of this at batch 1, 0.97x at 8).
              "gemv_cuda_off": {"LATENTSERVE_GEMV_CUDA_MAX_ROWS": "0"},
-             # 16 outputs a program from 2 rows (gemv_cuda.groups): x read from L2 half as often.
-             # Predicted: the 8-row GEMVs ~10% faster, batch 8 ~0.99x; nothing at 1.
-             "gemv_cuda_wide": {"LATENTSERVE_GEMV_CUDA_WIDE": "1"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -31,19 +31,11 @@ from .kernel_guard import KernelGuard
 
 GUARD = KernelGuard("gemv_cuda")
 SOURCE = Path(__file__).with_name("gemv_small.cu")
-OUTPUTS, THREADS, MAX_ROWS = 8, 128, 16  # a group of 4 warps: its outputs, threads
+OUTPUTS, THREADS, MAX_ROWS = 8, 128, 16
 
 
 def max_rows() -> int:
     return min(MAX_ROWS, int(os.environ.get("LATENTSERVE_GEMV_CUDA_MAX_ROWS", "16")))
-
-
-def groups(rows: int) -> int:
-    """Groups of 4 warps (8 outputs each) a program. LATENTSERVE_GEMV_CUDA_WIDE=1 (a candidate,
-    bench/gpu.py's `gemv_cuda_wide`): two from 2 rows, the second group's x loads hitting L1. At 8
-    rows each program reads as many bytes of x from L2 as of W from HBM (8 rows of each), and run
-    120 had the 8-row GEMVs at 0.41-0.56 of the copy rate against 0.47-0.60 at one row."""
-    return 2 if rows > 1 and os.environ.get("LATENTSERVE_GEMV_CUDA_WIDE", "0") == "1" else 1
 
 
 def _operand_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -75,11 +67,9 @@ def run(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
 def _launch(x2, weight, y, pair) -> bool:
     m, n = y.shape
     xb, wb = pair if pair is not None else (x2, weight)
-    wide = groups(m)
-    name = ("gemv_small_8" if m <= 8 else "gemv_small_16") + ("_wide" if wide > 1 else "")
-    func = nvrtc.function(SOURCE, name, x2.device.index)
+    func = nvrtc.function(SOURCE, "gemv_small_8" if m <= 8 else "gemv_small_16", x2.device.index)
     c_i64, c_int = ctypes.c_longlong, ctypes.c_int
     args = [nvrtc.ptr(t) for t in (x2, weight, xb, wb, y)]
     args += [c_i64(s) for s in (x2.stride(0), weight.stride(0), xb.stride(0), wb.stride(0), y.stride(0))]
     args += [c_int(m), c_int(n), c_int(x2.shape[1]), c_int(xb.shape[1]), c_int(int(pair is not None))]
-    return nvrtc.launch(func, (-(-n // (OUTPUTS * wide)), 1, 1), THREADS * wide, 0, x2.device, args)
+    return nvrtc.launch(func, (-(-n // OUTPUTS), 1, 1), THREADS, 0, x2.device, args)

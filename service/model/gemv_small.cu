@@ -7,16 +7,15 @@
 // 16 bytes at a time: the sum over K does not care which K a fragment slot holds, so slot pair
 // (2t, 2t+1) / (2t+8, 2t+9) of two MMAs takes elements 8t..8t+7 of each row of a 32-wide chunk,
 // for W and for x alike. No shared memory on the way in, no ldmatrix, no barrier in the loop.
-// 4 warps split K by chunks; their partial 16 x 8 tiles add in shared memory at the end. The
-// `_wide` kernels run two such groups of 4 warps on 16 outputs, the second group's x loads hitting
-// L1 after the first's: at 8 rows x is as many bytes from L2 as W's 8 rows are from HBM.
+// The 4 warps split K by chunks; their partial 16 x 8 tiles add in shared memory at the end.
 // W is read before the PDL wait (no kernel of a step writes weights); x only after it.
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 typedef long long i64;
 
-#define WARPS 4   // a group's warps, splitting K
+#define WARPS 4
+#define THREADS (WARPS * 32)
 #define UNROLL 8  // chunks of 32 a warp has in flight
 
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -91,16 +90,14 @@ __device__ __forceinline__ void accumulate(float* acc, uint4* wv, const bf16_t* 
     }
 }
 
-template <bool TALL, int GROUPS>
+template <bool TALL>
 __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                           const bf16_t* __restrict__ x2, const bf16_t* __restrict__ w2,
                                           bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M,
                                           int N, int K, int K2, int pair) {
-    __shared__ float part[GROUPS][WARPS][16][8];
-    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    // GROUPS == 1: the same instructions as the one-group kernel timed in run 120 (124 registers)
-    const int group = GROUPS == 1 ? 0 : tid >> 7, warp = GROUPS == 1 ? tid >> 5 : (tid >> 5) & (WARPS - 1);
-    const int n0 = (blockIdx.x * GROUPS + group) * 8;
+    __shared__ float part[WARPS][16][8];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 8;
     const bool row_ok = n0 + g < N;
     const bf16_t* wrow = w + (i64)(row_ok ? n0 + g : 0) * sw;
     uint4 wv[UNROLL];
@@ -118,29 +115,30 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
     }
 
     // acc: rows g and g + 8 of x, outputs n0 + 2t and n0 + 2t + 1
-    part[group][warp][g][2 * t] = acc[0];
-    part[group][warp][g][2 * t + 1] = acc[1];
-    part[group][warp][g + 8][2 * t] = acc[2];
-    part[group][warp][g + 8][2 * t + 1] = acc[3];
+    part[warp][g][2 * t] = acc[0];
+    part[warp][g][2 * t + 1] = acc[1];
+    part[warp][g + 8][2 * t] = acc[2];
+    part[warp][g + 8][2 * t + 1] = acc[3];
     __syncthreads();
-    const int m = GROUPS == 1 ? tid >> 3 : (tid >> 3) & 15, n = tid & 7;  // a group's 16 x 8 outputs
+    const int m = tid >> 3, n = tid & 7;
     if (m < M && n0 + n < N) {
         float sum = 0.f;
 #pragma unroll
-        for (int v = 0; v < WARPS; ++v) sum += part[group][v][m][n];
+        for (int v = 0; v < WARPS; ++v) sum += part[v][m][n];
         y[(i64)m * sy + n0 + n] = f2bf(sum);
     }
 }
 
-#define GEMV_ENTRY(NAME, TALL, GROUPS)                                                                              \
-    extern "C" __global__ void __launch_bounds__(GROUPS * WARPS * 32) NAME(                                        \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,                 \
-        const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M,    \
-        int N, int K, int K2, int pair) {                                                                          \
-        gemv_body<TALL, GROUPS>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);                         \
-    }
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_small_8(
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,
+    const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M, int N,
+    int K, int K2, int pair) {
+    gemv_body<false>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);
+}
 
-GEMV_ENTRY(gemv_small_8, false, 1)
-GEMV_ENTRY(gemv_small_16, true, 1)
-GEMV_ENTRY(gemv_small_8_wide, false, 2)
-GEMV_ENTRY(gemv_small_16_wide, true, 2)
+extern "C" __global__ void __launch_bounds__(THREADS) gemv_small_16(
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,
+    const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M, int N,
+    int K, int K2, int pair) {
+    gemv_body<true>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);
+}
