@@ -112,11 +112,9 @@ def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch)
     """`tiny` with the K3/DeepSeek MLA widths (latent 512, rope 64) in bf16: graphs captured with the
     kernel on at 1 and 4 sequences, each replay against the eager step with it off."""
     shapes = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
-    # Caches at a quarter of N(0, 1): the eager step runs the Triton kernel, whose roundings differ
-    # from this one's at bf16 level, and with unit caches a head's softmax is near one-hot, so a
-    # near-tie between two positions can flip (run 120: 0.117 at one sequence, the tests before
-    # having moved the global generator; runs 116-119 passed).
-    steps = graph_steps(monkeypatch, "LATENTSERVE_MLA_CUDA_MAX_ROWS", "8", shapes, kv_std=0.25)
+    # Runs 120-121 failed this (0.12 at one sequence, then 0.18 at four with seeded caches at a
+    # quarter scale), runs 116-119 passed it: see mla_cuda.py on the kernel's loads under PDL.
+    steps = graph_steps(monkeypatch, "LATENTSERVE_MLA_CUDA_MAX_ROWS", "8", shapes)
     assert mla_cuda.GUARD.failure is None
     for rows, (out, ref, names) in steps.items():
         assert any("mla_split_small" in n for n in names), (rows, sorted(set(names)))
