@@ -12,7 +12,7 @@ Same outputs (the fp32 partials and log-sum-exps the merge reads), same splits, 
 for the new token's write and the query's rope.
 
 Runs 116-119 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8 us a layer at one
-sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.99x at 8, the default since.
+sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.99x at 8 (the default then).
 Timed at 64 and 256 sequences too (run 119): 0.99x standalone, 1.00-1.01x in the step, so not there.
 
 **Off by default again since runs 120-121**: the engine's decode graphs with this kernel differed
