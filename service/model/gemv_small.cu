@@ -10,21 +10,11 @@
 // The 4 warps split K by chunks; their partial 16 x 8 tiles add in shared memory at the end.
 // W is read before the PDL wait (no kernel of a step writes weights); x only after it.
 
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-typedef long long i64;
+#include "mma_bf16.cuh"
 
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #define UNROLL 8  // chunks of 32 a warp has in flight
-
-__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // 16 bytes, or zeros where ok is false. Weights are read once a step: past L1 (no_allocate). Not
 // through the read-only path (ld.global.nc): ptxas moves those loads below griddepcontrol.wait
@@ -43,12 +33,6 @@ __device__ __forceinline__ uint4 load_rows16(const bf16_t* p, bool ok) {
     if (ok)
         asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-}
-
-__device__ __forceinline__ bf16_t f2bf(float f) {
-    bf16_t r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
 }
 
 // The thread's 8 weights (row n0 + g) of each of its warp's next UNROLL chunks from chunk `first`.

@@ -13,9 +13,7 @@
 // after the current one is copied (cp.async) while the current one is computed. No headers:
 // NVRTC compiles this at first use.
 
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-typedef long long i64;
+#include "mma_bf16.cuh"
 
 #define D_LAT 512
 #define D_PE 64
@@ -30,23 +28,7 @@ typedef long long i64;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((u32)x) << 16); }
-
-__device__ __forceinline__ bf16_t f2bf(float f) {
-    bf16_t r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-}
-
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -1,7 +1,8 @@
 """The hand-written CUDA C kernels' build and launch (mla_small.cu, gemv_small.cu).
 
 Each .cu file is compiled by NVRTC at first use on each device through `cuda.bindings` (no
-toolkit at install time, no headers: the files declare what they use) and its kernels are
+toolkit at install time, none of CUDA's headers: the files declare what they use, and share
+mma_bf16.cuh, passed to NVRTC from this folder) and its kernels are
 launched with `cuLaunchKernelEx` on torch's current stream, so CUDA graphs capture them like any
 other kernel, with programmatic dependent launch where the Triton kernels have it (pdl.py). A
 machine without `cuda.bindings` keeps the Triton kernels; each caller's `KernelGuard` turns its
@@ -40,7 +41,9 @@ def _module(source: Path, device_index: int):
     from cuda.bindings import driver, nvrtc
 
     major, minor = torch.cuda.get_device_capability(device_index)
-    err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), 0, [], [])
+    headers = sorted(source.parent.glob("*.cuh"))  # what the kernels `#include "..."`
+    err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), len(headers),
+                                         [h.read_bytes() for h in headers], [h.name.encode() for h in headers])
     check(err, "nvrtcCreateProgram")
     opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device", b"--std=c++17"]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
