@@ -35,31 +35,41 @@ def check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err!r}")
 
 
-@functools.cache
-def _module(source: Path, device_index: int):
-    """The compiled module of `source` on this device (kept alive by this cache)."""
-    from cuda.bindings import driver, nvrtc
+def compile_source(source: Path, arch: str) -> bytes:
+    """`source` (with this folder's headers) compiled by NVRTC for `arch`: a cubin for "sm_90",
+    PTX text for a virtual architecture ("compute_90")."""
+    from cuda.bindings import nvrtc
 
-    major, minor = torch.cuda.get_device_capability(device_index)
     headers = sorted(source.parent.glob("*.cuh"))  # what the kernels `#include "..."`
     err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), len(headers),
                                          [h.read_bytes() for h in headers], [h.name.encode() for h in headers])
     check(err, "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-default-device", b"--std=c++17"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"--std=c++17"]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
         raise RuntimeError(f"NVRTC could not compile {source.name}: {log.decode(errors='replace')}")
-    err, size = nvrtc.nvrtcGetCUBINSize(prog)
-    check(err, "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
+    ptx = arch.startswith("compute_")
+    err, size = (nvrtc.nvrtcGetPTXSize if ptx else nvrtc.nvrtcGetCUBINSize)(prog)
+    check(err, "nvrtcGetPTXSize" if ptx else "nvrtcGetCUBINSize")
+    out = b" " * size
+    check((nvrtc.nvrtcGetPTX if ptx else nvrtc.nvrtcGetCUBIN)(prog, out)[0], "nvrtcGetPTX/CUBIN")
+    return out
+
+
+@functools.cache
+def _module(source: Path, device_index: int):
+    """The compiled module of `source` on this device (kept alive by this cache)."""
+    from cuda.bindings import driver
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    cubin = compile_source(source, f"sm_{major}{minor}")
     torch.cuda.init()
     with torch.cuda.device(device_index):
         torch.cuda.current_stream()  # torch's primary context current on this thread
-        image = ctypes.create_string_buffer(cubin, size)
+        image = ctypes.create_string_buffer(cubin, len(cubin))
         err, module = driver.cuModuleLoadData(ctypes.addressof(image))
         check(err, "cuModuleLoadData")
     return module
