@@ -12,7 +12,8 @@ defaults in gemv.config, gemv.dot_config and moe_kernels were chosen. At one row
 times the 512-wide K steps used before whole-K slices (`k512_us`), from two rows the register
 product the rows ran as before the tensor-core tiles (`product_us`). --cuda also times the CUDA C
 GEMV (service/model/gemv_cuda.py) at up to 16 rows on the same weights (`cuda_us`, `cuda_vs_ours`)
-and its largest difference from our Triton result (`cuda_max_err`).
+and its largest difference from our Triton result (`cuda_max_err`), and with 8 warps on K, the
+candidate (`cuda_k8_us`).
 """
 
 from __future__ import annotations
@@ -102,12 +103,15 @@ def cuda_gemv(x, ws, y, t_ours: float, nbytes: int, bw: float) -> dict:
         t = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
         gemv_cuda.run(x, ws[0], y2)
         err = (y2.float() - F.linear(x, ws[0]).float()).abs().max().item()
+        os.environ["LATENTSERVE_GEMV_CUDA_K_WARPS"] = "8"  # the candidate: 8 warps on K
+        t_k8 = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
     finally:
+        os.environ.pop("LATENTSERVE_GEMV_CUDA_K_WARPS", None)
         os.environ.pop("LATENTSERVE_GEMV_CUDA_MAX_ROWS")
         if before is not None:
             os.environ["LATENTSERVE_GEMV_CUDA_MAX_ROWS"] = before
     return {"cuda_us": t * 1e6, "cuda_vs_ours": t / t_ours, "cuda_of_copy_bw": nbytes / t / bw, "cuda_max_err": err,
-            "cuda_off": gemv_cuda.GUARD.failure}
+            "cuda_k8_us": t_k8 * 1e6, "cuda_k8_vs_cuda": t_k8 / t, "cuda_off": gemv_cuda.GUARD.failure}
 
 
 def bench_gemv(rows: list[int], sweep: bool, bw: float, shapes: list[str], cuda: bool = False) -> list[dict]:

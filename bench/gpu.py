@@ -636,6 +636,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # The decode GEMVs at 1-16 rows in Triton, as before the CUDA C GEMV (gemv_cuda.py; run 120,
              # H100: the default 0.99x of this at batch 1, 0.97x at 8).
              "gemv_cuda_off": {"LATENTSERVE_GEMV_CUDA_MAX_ROWS": "0"},
+             # 8 warps on K in the CUDA C GEMV (gemv_cuda.k_warps): a K of 2048 all requested before the
+             # PDL wait. Predicted: fused_qkv_a and o_proj ~0.5 us faster each at 1-8 rows, the pair
+             # (K 1024 + 768) a little; batch 1 and 8 ~0.99x.
+             "gemv_cuda_k8": {"LATENTSERVE_GEMV_CUDA_K_WARPS": "8"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

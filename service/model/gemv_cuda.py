@@ -31,11 +31,19 @@ from .kernel_guard import KernelGuard
 
 GUARD = KernelGuard("gemv_cuda")
 SOURCE = Path(__file__).with_name("gemv_small.cu")
-OUTPUTS, THREADS, MAX_ROWS = 8, 128, 16
+OUTPUTS, MAX_ROWS = 8, 16
 
 
 def max_rows() -> int:
     return min(MAX_ROWS, int(os.environ.get("LATENTSERVE_GEMV_CUDA_MAX_ROWS", "16")))
+
+
+def k_warps() -> int:
+    """Warps a program splitting K (LATENTSERVE_GEMV_CUDA_K_WARPS: 4, or 8 as a candidate, bench/gpu.py's
+    `gemv_cuda_k8`). Each warp keeps 8 chunks of 32 in flight, so with 4 a K of 2048 (fused_qkv_a,
+    o_proj: 0.45-0.55 of the copy rate at 8 rows in run 120) has half its weights requested before
+    the PDL wait and half after; with 8, all of them before."""
+    return 8 if os.environ.get("LATENTSERVE_GEMV_CUDA_K_WARPS", "4") == "8" else 4
 
 
 def _operand_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -67,9 +75,11 @@ def run(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
 def _launch(x2, weight, y, pair) -> bool:
     m, n = y.shape
     xb, wb = pair if pair is not None else (x2, weight)
-    func = nvrtc.function(SOURCE, "gemv_small_8" if m <= 8 else "gemv_small_16", x2.device.index)
+    warps = k_warps()
+    name = ("gemv_small_8" if m <= 8 else "gemv_small_16") + ("_k8" if warps == 8 else "")
+    func = nvrtc.function(SOURCE, name, x2.device.index)
     c_i64, c_int = ctypes.c_longlong, ctypes.c_int
     args = [nvrtc.ptr(t) for t in (x2, weight, xb, wb, y)]
     args += [c_i64(s) for s in (x2.stride(0), weight.stride(0), xb.stride(0), wb.stride(0), y.stride(0))]
     args += [c_int(m), c_int(n), c_int(x2.shape[1]), c_int(xb.shape[1]), c_int(int(pair is not None))]
-    return nvrtc.launch(func, (-(-n // OUTPUTS), 1, 1), THREADS, 0, x2.device, args)
+    return nvrtc.launch(func, (-(-n // OUTPUTS), 1, 1), 32 * warps, 0, x2.device, args)

@@ -7,13 +7,12 @@
 // 16 bytes at a time: the sum over K does not care which K a fragment slot holds, so slot pair
 // (2t, 2t+1) / (2t+8, 2t+9) of two MMAs takes elements 8t..8t+7 of each row of a 32-wide chunk,
 // for W and for x alike. No shared memory on the way in, no ldmatrix, no barrier in the loop.
-// The 4 warps split K by chunks; their partial 16 x 8 tiles add in shared memory at the end.
-// W is read before the PDL wait (no kernel of a step writes weights); x only after it.
+// The warps (4; 8 in the `_k8` kernels, a candidate) split K by chunks; their partial 16 x 8 tiles
+// add in shared memory at the end. W is read before the PDL wait (no kernel of a step writes
+// weights); x only after it.
 
 #include "mma_bf16.cuh"
 
-#define WARPS 4
-#define THREADS (WARPS * 32)
 #define UNROLL 8  // chunks of 32 a warp has in flight
 
 // 16 bytes, or zeros where ok is false. Weights are read once a step: past L1 (no_allocate). Not
@@ -36,6 +35,7 @@ __device__ __forceinline__ uint4 load_rows16(const bf16_t* p, bool ok) {
 }
 
 // The thread's 8 weights (row n0 + g) of each of its warp's next UNROLL chunks from chunk `first`.
+template <int WARPS>
 __device__ __forceinline__ void load_w(uint4* wv, const bf16_t* wrow, bool row_ok, int first, int K, int t) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -46,7 +46,7 @@ __device__ __forceinline__ void load_w(uint4* wv, const bf16_t* wrow, bool row_o
 
 // acc += x[:, K] @ W[n0 : n0 + 8, K]^T over this warp's chunks, with wv already holding the first
 // UNROLL of them. TALL: rows 8-15 of x too.
-template <bool TALL>
+template <bool TALL, int WARPS>
 __device__ __forceinline__ void accumulate(float* acc, uint4* wv, const bf16_t* x, i64 sx, const bf16_t* wrow,
                                            bool row_ok, int M, int K, int warp, int g, int t) {
     const int chunks = (K + 31) / 32;
@@ -61,7 +61,7 @@ __device__ __forceinline__ void accumulate(float* acc, uint4* wv, const bf16_t* 
             xb[u] = TALL ? load_rows16(xhi + k, g + 8 < M && k < K) : make_uint4(0, 0, 0, 0);
         }
         const int next = first + UNROLL * WARPS;
-        if (next < chunks) load_w(wn, wrow, row_ok, next, K, t);  // in flight under this group's MMAs
+        if (next < chunks) load_w<WARPS>(wn, wrow, row_ok, next, K, t);  // in flight under this group's MMAs
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             mma(acc, xa[u].x, xb[u].x, xa[u].y, xb[u].y, wv[u].x, wv[u].y);
@@ -74,7 +74,7 @@ __device__ __forceinline__ void accumulate(float* acc, uint4* wv, const bf16_t* 
     }
 }
 
-template <bool TALL>
+template <bool TALL, int WARPS>
 __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                           const bf16_t* __restrict__ x2, const bf16_t* __restrict__ w2,
                                           bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M,
@@ -85,17 +85,17 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
     const bool row_ok = n0 + g < N;
     const bf16_t* wrow = w + (i64)(row_ok ? n0 + g : 0) * sw;
     uint4 wv[UNROLL];
-    load_w(wv, wrow, row_ok, warp, K, t);
+    load_w<WARPS>(wv, wrow, row_ok, warp, K, t);
 
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    accumulate<TALL>(acc, wv, x, sx, wrow, row_ok, M, K, warp, g, t);
+    accumulate<TALL, WARPS>(acc, wv, x, sx, wrow, row_ok, M, K, warp, g, t);
     if (pair) {
         const bf16_t* wrow2 = w2 + (i64)(row_ok ? n0 + g : 0) * sw2;
-        load_w(wv, wrow2, row_ok, warp, K2, t);
-        accumulate<TALL>(acc, wv, x2, sx2, wrow2, row_ok, M, K2, warp, g, t);
+        load_w<WARPS>(wv, wrow2, row_ok, warp, K2, t);
+        accumulate<TALL, WARPS>(acc, wv, x2, sx2, wrow2, row_ok, M, K2, warp, g, t);
     }
 
     // acc: rows g and g + 8 of x, outputs n0 + 2t and n0 + 2t + 1
@@ -113,16 +113,15 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) gemv_small_8(
-    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,
-    const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M, int N,
-    int K, int K2, int pair) {
-    gemv_body<false>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);
-}
+#define GEMV_ENTRY(NAME, TALL, WARPS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                                                 \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,                 \
+        const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M,    \
+        int N, int K, int K2, int pair) {                                                                          \
+        gemv_body<TALL, WARPS>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);                          \
+    }
 
-extern "C" __global__ void __launch_bounds__(THREADS) gemv_small_16(
-    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const bf16_t* __restrict__ x2,
-    const bf16_t* __restrict__ w2, bf16_t* __restrict__ y, i64 sx, i64 sw, i64 sx2, i64 sw2, i64 sy, int M, int N,
-    int K, int K2, int pair) {
-    gemv_body<true>(x, w, x2, w2, y, sx, sw, sx2, sw2, sy, M, N, K, K2, pair);
-}
+GEMV_ENTRY(gemv_small_8, false, 4)
+GEMV_ENTRY(gemv_small_16, true, 4)
+GEMV_ENTRY(gemv_small_8_k8, false, 8)  // 8 warps on K: a K of 2048 all in flight before the wait
+GEMV_ENTRY(gemv_small_16_k8, true, 8)

@@ -40,9 +40,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("warps", ["4", "8"], ids=["4_warps", "8_warps"])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16])
 @pytest.mark.parametrize("n,k", [(1344, 2048), (3072, 768), (2048, 2048), (100, 520), (8, 32), (19, 8)])
-def test_matches_float64_and_the_triton_gemv(monkeypatch, m, n, k):
+def test_matches_float64_and_the_triton_gemv(monkeypatch, m, n, k, warps):
+    monkeypatch.setenv("LATENTSERVE_GEMV_CUDA_K_WARPS", warps)
     x, w = operands(m, n, k, seed=m * 1000 + n + k)
     monkeypatch.setenv(SWITCH, "0")
     triton_y = torch.ops.latentserve.gemv(x, w)
@@ -83,9 +85,11 @@ def test_rows_it_does_not_take_go_to_triton(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("warps", ["4", "8"], ids=["4_warps", "8_warps"])
 @pytest.mark.parametrize("m", [1, 8, 12])
-def test_pair_sums_both_projections(monkeypatch, m):
+def test_pair_sums_both_projections(monkeypatch, m, warps):
     """gemv_pair (a latent MoE's up-projection and its shared experts' down-projection): one fp32 sum."""
+    monkeypatch.setenv("LATENTSERVE_GEMV_CUDA_K_WARPS", warps)
     x, w = operands(m, 2048, 1024, seed=7)
     x2, w2 = operands(m, 2048, 768, seed=8)
     monkeypatch.setenv(SWITCH, "16")
