@@ -67,7 +67,7 @@ def supported(x2: torch.Tensor, weight: torch.Tensor, pair: tuple[torch.Tensor, 
 
 def run(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
         pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-    """y [M, N] (bf16, rows 2-byte strided) = x2 @ weight^T (+ pair[0] @ pair[1]^T); False when the
+    """y [M, N] (bf16, contiguous rows) = x2 @ weight^T (+ pair[0] @ pair[1]^T); False when the
     kernel is off for this process (the caller then launches the Triton one)."""
     return GUARD.call(_launch, x2, weight, y, pair) is not None
 
