@@ -10,8 +10,8 @@
 //
 // 8 warps. Scores: each warp one 8-position column of the tile over half of the 576 dims (18
 // mma.m16n8k16 in two chains); values: each warp 64 of the 512 output columns (16 mma). The tile
-// after the current one is copied (cp.async) while the current one is computed. No headers:
-// NVRTC compiles this at first use.
+// after the current one is copied (cp.async) while the current one is computed. None of CUDA's
+// headers (mma_bf16.cuh is ours): NVRTC compiles this at first use.
 
 #include "mma_bf16.cuh"
 
