@@ -640,6 +640,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # PDL wait. Predicted: fused_qkv_a and o_proj ~0.5 us faster each at 1-8 rows, the pair
              # (K 1024 + 768) a little; batch 1 and 8 ~0.99x.
              "gemv_cuda_k8": {"LATENTSERVE_GEMV_CUDA_K_WARPS": "8"},
+             # The routed experts at 1-4 tokens in CUDA C (moe_cuda.py), on the GEMV's tile. Predicted:
+             # at one token gate/up 11.2 -> ~10 us and down 7.1 -> ~5 us a layer, batch 1 ~0.95x;
+             # nothing at 8 and above (the grouped GEMM runs from 5 tokens).
+             "moe_cuda": {"LATENTSERVE_MOE_CUDA_MAX_PAIRS": "32"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -1,4 +1,4 @@
-"""The hand-written CUDA C kernels (mla_small.cu, gemv_small.cu, as nvrtc.py compiles them) load
+"""The hand-written CUDA C kernels (service/model/*.cu, as nvrtc.py compiles them) load
 nothing through the read-only path. `ld.global.nc` is valid only for data no kernel writes during
 the kernel's lifetime, and under PDL a kernel starts while the one before it still writes its
 inputs (runs 120-121: the engine's decode graphs with the MLA kernel differed from the eager step
@@ -7,16 +7,23 @@ first version, where coherent ones stay put. Needs cuda.bindings' NVRTC (the GPU
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("cuda.bindings")
 
-from service.model import gemv_cuda, mla_cuda, nvrtc  # noqa: E402
+from service.model import nvrtc  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+SOURCES = sorted(Path(nvrtc.__file__).parent.glob("*.cu"))
 
 
-@pytest.mark.parametrize("source", [mla_cuda.SOURCE, gemv_cuda.SOURCE], ids=lambda p: p.name)
+def test_every_kernel_file_is_checked():
+    assert {p.name for p in SOURCES} >= {"mla_small.cu", "gemv_small.cu", "expert_small.cu"}
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_no_read_only_path_loads(source):
     ptx = nvrtc.compile_source(source, "compute_90").decode(errors="replace")
     assert ".entry" in ptx and "griddepcontrol.wait" in ptx
