@@ -22,6 +22,13 @@ __device__ __forceinline__ float tanh_f(float y) { return 2.f * sigmoid_f(2.f * 
 
 __device__ __forceinline__ float round_bf(float x) { return bf2f(f2bf(x)); }
 
+// Pair p's expert: the step's routing wrote it, so only after the PDL wait.
+__device__ __forceinline__ i64 pair_expert(const i64* ids, int p) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+    return ids[p];
+}
+
 // A warp's row-0 outputs (lanes 0-3 of the fragment hold n = 2t, 2t + 1) into part[warp][8].
 __device__ __forceinline__ void keep_row0(float (*part)[8], const float* acc, int warp, int g, int t) {
     if (g == 0) {
@@ -36,10 +43,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) expert_gate_up_small(
     __shared__ float part[2][WARPS][8];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int p = blockIdx.x, n0 = blockIdx.y * 8;
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-
-    const i64 e = ids[p];
+    const i64 e = pair_expert(ids, p);
     const bool row_ok = n0 + g < shard;
     const bf16_t* gate = w13 + e * swe + (i64)(row_ok ? n0 + g : 0) * swn;
     const bf16_t* up = gate + (i64)shard * swn;
@@ -79,10 +83,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) expert_down_small(
     __shared__ float part[WARPS][8];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int p = blockIdx.x, n0 = blockIdx.y * 8;
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-
-    const i64 e = ids[p];
+    const i64 e = pair_expert(ids, p);
     const bool row_ok = n0 + g < width_out;
     const bf16_t* wrow = w2 + e * swe + (i64)(row_ok ? n0 + g : 0) * swn;
     uint4 wv[UNROLL];

@@ -30,6 +30,24 @@ def require_kernel_device():
     return triton
 
 
+def require_cuda_c() -> None:
+    """Skip the calling module unless the hand-written CUDA C kernels (nvrtc.py) can run here: an
+    sm_90 or later GPU, cuda.bindings, and Triton for the kernels they are compared against."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an sm_90 or later GPU", allow_module_level=True)
+    pytest.importorskip("cuda.bindings")
+    pytest.importorskip("triton")
+
+
+def record_calls(monkeypatch, module, name: str) -> list:
+    """module.name wrapped so each call's result is appended to the returned list (the CUDA C
+    kernels' `run` returns True once launched)."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(real(*a)) or calls[-1])
+    return calls
+
+
 def kernel_marks(timeout_s: int) -> list:
     return [pytest.mark.timeout(timeout_s)] + ([] if INTERPRET else [pytest.mark.gpu])
 

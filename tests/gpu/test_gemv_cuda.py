@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_env import GRAPH_SHAPES, graph_steps, record_calls, require_cuda_c
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-    pytest.skip("needs an sm_90 or later GPU", allow_module_level=True)
-pytest.importorskip("cuda.bindings")
-pytest.importorskip("triton")
-
-from kernel_env import GRAPH_SHAPES, graph_steps  # noqa: E402
+require_cuda_c()
 
 from service.model import gemv, gemv_cuda  # noqa: E402
 
@@ -21,12 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 SWITCH = "LATENTSERVE_GEMV_CUDA_MAX_ROWS"
 
 
-def spy(monkeypatch) -> list:
-    """Records each CUDA launch's outcome (True: it ran)."""
-    calls = []
-    real = gemv_cuda.run
-    monkeypatch.setattr(gemv_cuda, "run", lambda *a: calls.append(real(*a)) or calls[-1])
-    return calls
 
 
 def operands(m: int, n: int, k: int, seed: int, row_stride: int | None = None):
@@ -49,7 +39,7 @@ def test_matches_float64_and_the_triton_gemv(monkeypatch, m, n, k, warps):
     monkeypatch.setenv(SWITCH, "0")
     triton_y = torch.ops.latentserve.gemv(x, w)
     monkeypatch.setenv(SWITCH, "16")
-    calls = spy(monkeypatch)
+    calls = record_calls(monkeypatch, gemv_cuda, "run")
     y = torch.ops.latentserve.gemv(x, w)
     assert calls == [True], gemv_cuda.GUARD.failure
     ref = x.double() @ w.double().T
@@ -62,7 +52,7 @@ def test_matches_float64_and_the_triton_gemv(monkeypatch, m, n, k, warps):
 def test_rows_strided_and_leading_dims(monkeypatch):
     """x rows 16-byte strided inside a wider buffer, and x [2, 3, K] (the op's leading dims)."""
     monkeypatch.setenv(SWITCH, "8")
-    calls = spy(monkeypatch)
+    calls = record_calls(monkeypatch, gemv_cuda, "run")
     x, w = operands(6, 264, 256, seed=3, row_stride=384)
     assert x.stride(0) == 384
     y = torch.ops.latentserve.gemv(x.view(2, 3, 256), w)
@@ -72,7 +62,7 @@ def test_rows_strided_and_leading_dims(monkeypatch):
 
 def test_rows_it_does_not_take_go_to_triton(monkeypatch):
     """Above the switch's rows, above 16, off, misaligned or not bf16: the Triton GEMV, same result."""
-    calls = spy(monkeypatch)
+    calls = record_calls(monkeypatch, gemv_cuda, "run")
     x, w = operands(8, 64, 128, seed=5)
     for rows, xx, ww in [("4", x, w), ("16", torch.cat([x, x, x]), w), ("0", x, w),
                          ("16", x.float(), w.float())]:
@@ -93,7 +83,7 @@ def test_pair_sums_both_projections(monkeypatch, m, warps):
     x, w = operands(m, 2048, 1024, seed=7)
     x2, w2 = operands(m, 2048, 768, seed=8)
     monkeypatch.setenv(SWITCH, "16")
-    calls = spy(monkeypatch)
+    calls = record_calls(monkeypatch, gemv_cuda, "run")
     y = torch.ops.latentserve.gemv_pair(x, w, x2, w2)
     assert calls == [True]
     ref = x.double() @ w.double().T + x2.double() @ w2.double().T

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_env import graph_steps, record_calls, require_cuda_c
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-    pytest.skip("needs an sm_90 or later GPU", allow_module_level=True)
-pytest.importorskip("cuda.bindings")
-pytest.importorskip("triton")
+require_cuda_c()
 
-from kernel_env import graph_steps  # noqa: E402
 from test_mla_decode_kernel import case, new_tokens, reference  # noqa: E402
 
 from service.model import mla_cuda, mla_decode  # noqa: E402
@@ -25,9 +22,7 @@ LORA, ROPE = 512, 64
 def run(monkeypatch, on: bool, *args, **kw):
     """`_mla_decode` with the CUDA kernel on (asserting it ran) or off."""
     monkeypatch.setenv("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8" if on else "0")
-    calls = []
-    real = mla_cuda.split
-    monkeypatch.setattr(mla_cuda, "split", lambda *a: calls.append(real(*a)) or calls[-1])
+    calls = record_calls(monkeypatch, mla_cuda, "split")
     out = mla_decode._mla_decode(*args, **kw)
     assert calls == ([True] if on else []), (on, calls, mla_cuda.GUARD.failure)
     return out

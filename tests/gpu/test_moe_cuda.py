@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_env import GRAPH_SHAPES, graph_steps, record_calls, require_cuda_c
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-    pytest.skip("needs an sm_90 or later GPU", allow_module_level=True)
-pytest.importorskip("cuda.bindings")
-pytest.importorskip("triton")
+require_cuda_c()
 
-from kernel_env import GRAPH_SHAPES, graph_steps  # noqa: E402
 from test_moe_kernels import reference, situ  # noqa: E402
 
 from service.model import moe_cuda  # noqa: E402
@@ -22,11 +19,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 SWITCH = "LATENTSERVE_MOE_CUDA_MAX_PAIRS"
 
 
-def spy(monkeypatch) -> list:
-    calls = []
-    real = moe_cuda.run
-    monkeypatch.setattr(moe_cuda, "run", lambda *a: calls.append(real(*a)) or calls[-1])
-    return calls
 
 
 def case(m: int, top_k: int, experts: int, width: int, shard: int, seed: int):
@@ -55,7 +47,7 @@ def test_matches_float64_and_the_triton_kernels(monkeypatch, act, beta, linear_b
     monkeypatch.setenv(SWITCH, "0")
     triton_out = torch.ops.latentserve.moe_experts(x, w13, w2, weights, ids, act, beta, linear_beta)
     monkeypatch.setenv(SWITCH, "32")
-    calls = spy(monkeypatch)
+    calls = record_calls(monkeypatch, moe_cuda, "run")
     out = torch.ops.latentserve.moe_experts(x, w13, w2, weights, ids, act, beta, linear_beta)
     assert calls == [True], moe_cuda.GUARD.failure
     ref = reference(x.float().cpu(), w13.float().cpu(), w2.float().cpu(), weights.cpu(), ids.cpu(),
@@ -72,7 +64,7 @@ def test_unweighted_parts_and_pairs_above_the_switch(monkeypatch):
     monkeypatch.setenv(SWITCH, "0")
     ref = torch.ops.latentserve.moe_experts_parts(x, w13, w2, weights, ids, "silu", 1.0, None)
     monkeypatch.setenv(SWITCH, "8")
-    calls = spy(monkeypatch)
+    calls = record_calls(monkeypatch, moe_cuda, "run")
     got = torch.ops.latentserve.moe_experts_parts(x, w13, w2, weights, ids, "silu", 1.0, None)
     assert calls == [True] and got.shape == ref.shape == (5, 256)
     assert (got - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
