@@ -29,7 +29,8 @@
 # and on the export in DIR (e.g. ../base), alternating, twice each (AB_PAIRS=3: three times; a
 # server takes ~75 s: 55 s to start, 13 s of load): a change to the HTTP process.
 # `goal`: the decode goal table alone (a short budget; BASELINES=a,b adds bench/gpu.py baselines,
-# PROFILE=1,8,64,256 each batch's exposed kernel times). `ncu_mla`: ncu on the CUDA C MLA split kernel
+# PROFILE=1,8,64,256 each batch's exposed kernel times). `cuda_c`: the CUDA C kernels' GPU tests, then
+# `goal` with their baselines. `ncu_mla`: ncu on the CUDA C MLA split kernel
 # at 1 and 8 sequences. `mla_tma`: MLA
 # decode's TMA tiles standalone against the cp.async kernel at 64 and 256 sequences, then `goal` with their baselines and tests. `serve_std`: the same with uvloop and
 # httptools (wheels in .whl/std/) against asyncio and h11. `serve_gil`: the same with Python's GIL
@@ -38,7 +39,7 @@
 #
 #   git archive HEAD | tar -x -C .gpu/tree        # a clean export (ignored folder)
 #   cp <files_at>/compile_cache.tar.xz.part* .gpu/cache/   # after a save_cache call
-#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|goal_ncu|ncu_gemv|ncu_mla|mla_tma|mla_tma_kernel] [seconds] [other export]
+#   device run, carry [".gpu", ".whl"]:  bash .gpu/tree/bench/gpu_check.sh [bench|bench_http|quick|serve_async|serve_http|mixed|sweeps|k3|k3_tests|fp8|small_rows|tests_kernels|tests_kda|tests_engine|all|save_cache|serve_ab|serve_std|serve_gil|goal|goal_ncu|cuda_c|ncu_gemv|ncu_mla|mla_tma|mla_tma_kernel] [seconds] [other export]
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -125,6 +126,14 @@ if [ "$what" = mla_tma ] || [ "$what" = mla_tma_kernel ]; then  # MLA decode's T
     --splits 1 4 --block-n 32 --warps 4 8 --stages 2 3 --maxnreg 0 168 > "$OUT/mla_tma_sweep.log" 2>&1
   echo "== mla TMA sweep rc=$?"; grep -o '"fastest.*' "$OUT/mla_tma_sweep.log" | cut -c1-700
   [ "$what" = mla_tma ] && BASELINES=${BASELINES:-kv_block_32,mla_tma,mla_tma_64} TESTS=${TESTS:-tests/gpu/test_mla_decode_kernel.py} what=goal
+fi
+if [ "$what" = cuda_c ]; then  # the hand-written CUDA C kernels: their GPU tests first, then the goal table with their baselines
+  # The first three test files in the order runs 120-121 ran them (the MLA kernel's engine graph
+  # test failed there only); then the table with the kernels against the Triton ones and the candidates.
+  group tests_cuda_c 240 tests/gpu/test_cuda_c_loads.py tests/gpu/test_gemv_cuda.py tests/gpu/test_mla_cuda.py \
+    tests/gpu/test_moe_cuda.py tests/gpu/test_add_norm.py
+  grep -E "^FAILED|^E  .*assert" "$OUT/tests_cuda_c.txt" | cut -c1-250 | head -8
+  BASELINES=${BASELINES:-same_build,mla_cuda,gemv_cuda_off,gemv_cuda_k8,moe_cuda} what=goal
 fi
 if [ "$what" = goal ] || [ "$what" = goal_ncu ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   reserve=5 profile=${PROFILE:-}  # PROFILE=1,8,64,256: each batch's exposed kernel times too
