@@ -50,19 +50,18 @@ def _operand_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """bf16, K a multiple of 8 and every row 16-byte aligned (the kernel's 16-byte loads)."""
     k = x.shape[1]
     return (x.dtype == w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] == k and k % 8 == 0
-            and x.stride(1) == 1 and w.stride(1) == 1 and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
-            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+            and x.stride(1) == 1 and w.stride(1) == 1 and nvrtc.aligned(x, x.stride(0))
+            and nvrtc.aligned(w, w.stride(0)))
 
 
 def supported(x2: torch.Tensor, weight: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """x2 [M, K] rows (M up to `max_rows`) against weight [N, K], and pair's (x, weight) into the
     same outputs, on an sm_90 or later GPU (PDL's griddepcontrol)."""
-    if GUARD.failure is not None or not x2.is_cuda or not 0 < x2.shape[0] <= max_rows() or not nvrtc.available():
+    if GUARD.failure is not None or not 0 < x2.shape[0] <= max_rows() or not nvrtc.runs_on(x2):
         return False
     ops = [(x2, weight)] + ([pair] if pair is not None else [])
     return (all(_operand_ok(a, w) for a, w in ops) and all(a.shape[0] == x2.shape[0] for a, _ in ops)
-            and all(w.shape[0] == weight.shape[0] for _, w in ops)
-            and torch.cuda.get_device_capability(x2.device)[0] >= 9)
+            and all(w.shape[0] == weight.shape[0] for _, w in ops))
 
 
 def run(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,

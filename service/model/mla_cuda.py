@@ -57,25 +57,21 @@ def splits() -> int | None:
     return int(n) if n else None
 
 
-def _aligned(t: torch.Tensor, *strides: int) -> bool:
-    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
-
-
 def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
               context_lens: torch.Tensor, new_kv: torch.Tensor | None, new_slots: torch.Tensor | None,
               rope: tuple | None) -> bool:
     """bf16 throughout, a 512-wide latent and 64-wide rope part, int64 tables and lengths, fp32 rope
     tables, 16-byte aligned rows, power-of-2 cache blocks, sm_90 or later, up to `max_rows` sequences."""
-    if GUARD.failure is not None or not q_lat.is_cuda or not 0 < q_lat.shape[0] <= max_rows() or not nvrtc.available():
+    if GUARD.failure is not None or not 0 < q_lat.shape[0] <= max_rows() or not nvrtc.runs_on(q_lat):
         return False
     block_size = kv_cache.shape[1]
     ok = (q_lat.dtype == q_pe.dtype == kv_cache.dtype == torch.bfloat16 and q_lat.shape[-1] == D_LAT
           and q_pe.shape[-1] == D_PE and kv_cache.shape[-1] == D_LAT + D_PE and block_size & (block_size - 1) == 0
           and block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.stride(-1) == 1
-          and context_lens.is_contiguous() and _aligned(q_lat, q_lat.stride(0), q_lat.stride(1))
-          and _aligned(kv_cache, kv_cache.stride(1)) and torch.cuda.get_device_capability(q_lat.device)[0] >= 9)
+          and context_lens.is_contiguous() and nvrtc.aligned(q_lat, q_lat.stride(0), q_lat.stride(1))
+          and nvrtc.aligned(kv_cache, kv_cache.stride(1)))
     if ok and new_kv is not None:
-        ok = new_slots is not None and new_slots.dtype == torch.int64 and _aligned(new_kv, new_kv.stride(0))
+        ok = new_slots is not None and new_slots.dtype == torch.int64 and nvrtc.aligned(new_kv, new_kv.stride(0))
     if ok and rope is not None:
         ok = rope[0].dtype == rope[1].dtype == torch.float32
     return ok

@@ -35,15 +35,13 @@ def max_pairs() -> int:
 def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: int) -> bool:
     """bf16 x [M, width] and experts w13 [E, 2 * shard, width], w2 [E, width_out, shard], rows
     16-byte aligned, up to `max_pairs` pairs, an sm_90 or later GPU."""
-    if GUARD.failure is not None or not x.is_cuda or not 0 < pairs <= max_pairs() or not nvrtc.available():
+    if GUARD.failure is not None or not 0 < pairs <= max_pairs() or not nvrtc.runs_on(x):
         return False
     width, shard = x.shape[1], w2.shape[2]
     return (x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and w13.dim() == w2.dim() == 3
             and w13.shape[2] == width and w13.shape[1] == 2 * shard and width % 8 == 0 and shard % 8 == 0
-            and x.stride(1) == w13.stride(2) == w2.stride(2) == 1
-            and all(s % 8 == 0 for s in (x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1)))
-            and all(t.data_ptr() % 16 == 0 for t in (x, w13, w2))
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            and x.stride(1) == w13.stride(2) == w2.stride(2) == 1 and nvrtc.aligned(x, x.stride(0))
+            and nvrtc.aligned(w13, w13.stride(0), w13.stride(1)) and nvrtc.aligned(w2, w2.stride(0), w2.stride(1)))
 
 
 def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

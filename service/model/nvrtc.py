@@ -30,6 +30,18 @@ def available() -> bool:
     return True
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """The CUDA C kernels can run on t's device: a GPU of sm_90 or later (PDL's griddepcontrol)
+    with cuda.bindings importable."""
+    return t.is_cuda and available() and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def aligned(t: torch.Tensor, *strides: int) -> bool:
+    """t's data 16-byte aligned and these strides (in 2-byte elements) whole 16-byte steps: the
+    kernels' 16-byte loads."""
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
+
+
 def check(err, what: str) -> None:
     if int(err) != 0:
         raise RuntimeError(f"{what} failed: {err!r}")
