@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gpu import copy_bandwidth  # noqa: E402
+from gpu import copy_bandwidth, switches  # noqa: E402
 
 from service.model import gemv, gemv_cuda, moe_kernels, pdl  # noqa: E402
 
@@ -94,22 +94,15 @@ def weights(n: int, k: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
 
 def cuda_gemv(x, ws, y, t_ours: float, nbytes: int, bw: float) -> dict:
     """The CUDA C GEMV on the same rows and weights, against our Triton kernel's time and result."""
-    before = os.environ.get("LATENTSERVE_GEMV_CUDA_MAX_ROWS")
-    os.environ["LATENTSERVE_GEMV_CUDA_MAX_ROWS"] = str(gemv_cuda.MAX_ROWS)
-    try:
+    with switches({"LATENTSERVE_GEMV_CUDA_MAX_ROWS": str(gemv_cuda.MAX_ROWS)}):
         if not gemv_cuda.supported(x, ws[0]):
             return {"cuda_off": gemv_cuda.GUARD.failure or "unsupported"}
         y2 = torch.empty_like(y)
         t = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
         gemv_cuda.run(x, ws[0], y2)
         err = (y2.float() - F.linear(x, ws[0]).float()).abs().max().item()
-        os.environ["LATENTSERVE_GEMV_CUDA_K_WARPS"] = "8"  # the candidate: 8 warps on K
-        t_k8 = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
-    finally:
-        os.environ.pop("LATENTSERVE_GEMV_CUDA_K_WARPS", None)
-        os.environ.pop("LATENTSERVE_GEMV_CUDA_MAX_ROWS")
-        if before is not None:
-            os.environ["LATENTSERVE_GEMV_CUDA_MAX_ROWS"] = before
+        with switches({"LATENTSERVE_GEMV_CUDA_K_WARPS": "8"}):  # the candidate: 8 warps on K
+            t_k8 = graph_seconds(lambda w: gemv_cuda.run(x, w, y2), ws)
     return {"cuda_us": t * 1e6, "cuda_vs_ours": t / t_ours, "cuda_of_copy_bw": nbytes / t / bw, "cuda_max_err": err,
             "cuda_k8_us": t_k8 * 1e6, "cuda_k8_vs_cuda": t_k8 / t, "cuda_off": gemv_cuda.GUARD.failure}
 

@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from gemv import L2_SAFE, graph_seconds, sweep  # noqa: E402
-from gpu import copy_bandwidth  # noqa: E402
+from gpu import copy_bandwidth, switches  # noqa: E402
 
 from service.model import mla_cuda, mla_decode  # noqa: E402
 
@@ -76,15 +76,9 @@ def cuda_kernel(variants, ref, t_default: float) -> dict:
     engine runs it up to LATENTSERVE_MLA_CUDA_MAX_ROWS), its time against the default's and its
     largest difference from the one-split Triton result."""
     wide = [(q, cache, tables.long(), *rest) for q, cache, tables, *rest in variants]
-    before = os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS")
-    os.environ["LATENTSERVE_MLA_CUDA_MAX_ROWS"] = str(variants[0][0].shape[0])
-    try:
+    with switches({"LATENTSERVE_MLA_CUDA_MAX_ROWS": str(variants[0][0].shape[0])}):
         err = (run(wide[0]) - ref).abs().max().item()
         t = graph_seconds(run, wide)
-    finally:
-        os.environ.pop("LATENTSERVE_MLA_CUDA_MAX_ROWS")
-        if before is not None:
-            os.environ["LATENTSERVE_MLA_CUDA_MAX_ROWS"] = before
     return {"cuda_us": t * 1e6, "cuda_vs_default": t / t_default, "cuda_max_err": err,
             "cuda_off": mla_cuda.GUARD.failure}
 
