@@ -39,6 +39,12 @@ def require_cuda_c() -> None:
     pytest.importorskip("triton")
 
 
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64, on the CPU (either may be a GPU tensor)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
 def record_calls(monkeypatch, module, name: str) -> list:
     """module.name wrapped so each call's result is appended to the returned list (the CUDA C
     kernels' `run` returns True once launched)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import GRAPH_SHAPES, graph_steps, record_calls, require_cuda_c
+from kernel_env import GRAPH_SHAPES, graph_steps, record_calls, rel_error, require_cuda_c
 
 require_cuda_c()
 
@@ -26,10 +26,6 @@ def operands(m: int, n: int, k: int, seed: int, row_stride: int | None = None):
     return x, w
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("warps", ["4", "8"], ids=["4_warps", "8_warps"])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16])
 @pytest.mark.parametrize("n,k", [(1344, 2048), (3072, 768), (2048, 2048), (100, 520), (8, 32), (19, 8)])
@@ -44,7 +40,7 @@ def test_matches_float64_and_the_triton_gemv(monkeypatch, m, n, k, warps):
     assert calls == [True], gemv_cuda.GUARD.failure
     ref = x.double() @ w.double().T
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    assert rel(y, ref) < 6e-3  # bf16 output rounding
+    assert rel_error(y, ref) < 6e-3  # bf16 output rounding
     # Both are fp32 sums of the same bf16 products, in a different order: within an output rounding.
     assert (y.float() - triton_y.float()).abs().max().item() <= 2 * ref.abs().max().item() * 2 ** -8
 
@@ -57,7 +53,7 @@ def test_rows_strided_and_leading_dims(monkeypatch):
     assert x.stride(0) == 384
     y = torch.ops.latentserve.gemv(x.view(2, 3, 256), w)
     assert y.shape == (2, 3, 264) and calls == [True]
-    assert rel(y.reshape(6, 264), x.double() @ w.double().T) < 6e-3
+    assert rel_error(y.reshape(6, 264), x.double() @ w.double().T) < 6e-3
 
 
 def test_rows_it_does_not_take_go_to_triton(monkeypatch):
@@ -68,7 +64,7 @@ def test_rows_it_does_not_take_go_to_triton(monkeypatch):
                          ("16", x.float(), w.float())]:
         monkeypatch.setenv(SWITCH, rows)
         y = torch.ops.latentserve.gemv(xx, ww)
-        assert rel(y, xx.double() @ ww.double().T) < 6e-3
+        assert rel_error(y, xx.double() @ ww.double().T) < 6e-3
     odd = torch.empty(8, 129, device="cuda", dtype=torch.bfloat16)[:, 1:]
     odd.copy_(x)
     assert not gemv_cuda.supported(odd, w)  # rows not 16-byte aligned
@@ -87,7 +83,7 @@ def test_pair_sums_both_projections(monkeypatch, m, warps):
     y = torch.ops.latentserve.gemv_pair(x, w, x2, w2)
     assert calls == [True]
     ref = x.double() @ w.double().T + x2.double() @ w2.double().T
-    assert rel(y, ref) < 6e-3
+    assert rel_error(y, ref) < 6e-3
     monkeypatch.setenv(SWITCH, "0")
     triton_y = torch.ops.latentserve.gemv_pair(x, w, x2, w2)
     assert (y.float() - triton_y.float()).abs().max().item() <= 2 * ref.abs().max().item() * 2 ** -8
@@ -115,4 +111,4 @@ def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch)
     assert gemv_cuda.GUARD.failure is None and gemv.GUARD.failure is None
     for rows, (out, ref, names) in steps.items():
         assert any("gemv_small" in n for n in names), (rows, sorted(set(names)))
-        assert rel(out.float(), ref.float()) < 3e-2, (rows, rel(out.float(), ref.float()))
+        assert rel_error(out, ref) < 3e-2, (rows, rel_error(out, ref))

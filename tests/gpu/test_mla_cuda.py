@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import graph_steps, record_calls, require_cuda_c
+from kernel_env import graph_steps, record_calls, rel_error, require_cuda_c
 
 require_cuda_c()
 
@@ -28,10 +28,6 @@ def run(monkeypatch, on: bool, *args, **kw):
     return out
 
 
-def rel(a, b) -> float:
-    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
-
-
 @pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
 @pytest.mark.parametrize("batch,heads,block_size,splits",
                          [(1, 16, 16, None), (3, 20, 16, 4), (8, 16, 64, None), (5, 8, 16, 1), (2, 16, 32, 32)])
@@ -44,9 +40,9 @@ def test_matches_reference_and_writes_the_new_token(monkeypatch, write, batch, h
     out = run(monkeypatch, True, q, cache, tables, ctx, LORA, scale, splits=splits, **new)
     assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
     ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, LORA, scale)
-    assert rel(out, ref) < 2e-2
+    assert rel_error(out, ref) < 2e-2
     triton_cache = kv.clone()
-    assert rel(out, run(monkeypatch, False, q, triton_cache, tables, ctx, LORA, scale, splits=splits, **new)) < 1e-2
+    assert rel_error(out, run(monkeypatch, False, q, triton_cache, tables, ctx, LORA, scale, splits=splits, **new)) < 1e-2
     assert torch.equal(cache.nan_to_num(7.0), expected_kv.nan_to_num(7.0)), "the cache is not as the write leaves it"
 
 
@@ -66,7 +62,7 @@ def test_rope_in_the_kernel_matches_the_triton_kernel(monkeypatch, interleave):
         a = list(args)
         a[1] = kv.clone()
         outs.append(run(monkeypatch, on, *a, q_pe=q_pe, rope=rope, **new))
-    assert rel(outs[0], outs[1]) < 1e-2
+    assert rel_error(outs[0], outs[1]) < 1e-2
 
 
 def test_split_count_switch_reaches_only_the_cuda_kernel(monkeypatch):
@@ -80,7 +76,7 @@ def test_split_count_switch_reaches_only_the_cuda_kernel(monkeypatch):
     monkeypatch.setattr(mla_decode.mla_merge, "merge", lambda o, lse: seen.append(o.shape[1]) or real(o, lse))
     out = run(monkeypatch, True, q, kv.clone(), tables, ctx, LORA, 0.05, **new)
     ref = reference(q.cpu(), expected_kv.cpu(), tables.cpu(), ctx_list, LORA, 0.05)
-    assert rel(out, ref) < 2e-2
+    assert rel_error(out, ref) < 2e-2
     run(monkeypatch, False, q, kv.clone(), tables, ctx, LORA, 0.05, **new)
     assert seen == [32, mla_decode.num_splits(8, 16)] and mla_decode.num_splits(8, 16) == 16
 
@@ -99,7 +95,7 @@ def test_graph_replay_follows_new_contexts(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     ref = reference(q.cpu(), kv.cpu(), tables.cpu(), shorter, LORA, scale)
-    assert rel(out, ref) < 2e-2
+    assert rel_error(out, ref) < 2e-2
     assert mla_cuda.GUARD.failure is None
 
 
@@ -113,4 +109,4 @@ def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch)
     assert mla_cuda.GUARD.failure is None
     for rows, (out, ref, names) in steps.items():
         assert any("mla_split_small" in n for n in names), (rows, sorted(set(names)))
-        assert rel(out, ref) < 3e-2, (rows, rel(out, ref))
+        assert rel_error(out, ref) < 3e-2, (rows, rel_error(out, ref))
