@@ -65,7 +65,8 @@ def skip_interpreted_16bit_dot(dtype: torch.dtype) -> None:
         pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
 
 
-def replay_and_eager(worker, rows: int, monkeypatch, switch: str, on: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def replay_and_eager(worker, rows: int, monkeypatch, switch: str,
+                     on: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """One decode step of `rows` sequences replayed from a graph with the switch (a
     LATENTSERVE_* variable) `on`, the eager step with it off ("0"), and the replay's kernel names."""
     from service.engine.plan import SeqChunk, StepPlan
