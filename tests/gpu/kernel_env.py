@@ -10,6 +10,7 @@ raises), so give the interpreter an older numpy first on the path:
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -65,10 +66,24 @@ def skip_interpreted_16bit_dot(dtype: torch.dtype) -> None:
         pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly (1e10 off on 16x16)")
 
 
-def replay_and_eager(worker, rows: int, monkeypatch, switch: str,
-                     on: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """One decode step of `rows` sequences replayed from a graph with the switch (a
-    LATENTSERVE_* variable) `on`, the eager step with it off ("0"), and the replay's kernel names."""
+class GraphStep(NamedTuple):
+    """One decode step's logits: replayed from a graph with a switch on, the eager step with it
+    on and off, and the replay's kernel names."""
+
+    replay: torch.Tensor
+    eager_on: torch.Tensor
+    eager_off: torch.Tensor
+    kernels: list[str]
+
+    def errors(self) -> tuple[float, float]:
+        """The replay against the eager step with the switch on (the graph's own error) and off
+        (the kernel's against the one it replaces), apart so a failure says which it is."""
+        return rel_error(self.replay, self.eager_on), rel_error(self.replay, self.eager_off)
+
+
+def replay_and_eager(worker, rows: int, monkeypatch, switch: str, on: str) -> GraphStep:
+    """One decode step of `rows` sequences replayed from a graph with the switch (a LATENTSERVE_*
+    variable) `on`, then the same step eager with it `on` and off ("0")."""
     from service.engine.plan import SeqChunk, StepPlan
 
     chunks = [SeqChunk(i, [7 + i], 20 + 3 * i, [2 * i, 2 * i + 1]) for i in range(rows)]
@@ -79,14 +94,16 @@ def replay_and_eager(worker, rows: int, monkeypatch, switch: str,
             out = worker.execute(StepPlan(chunks))
             torch.cuda.synchronize()
         assert worker.decode_graphs.replays == before + 1, "the step did not replay a graph"
+        # The step writes only the new token's cache row, the same each time: it can run again.
+        eager_on = worker._eager_forward(chunks, worker.kv_caches)
         monkeypatch.setenv(switch, "0")
-        ref = worker._eager_forward(chunks, worker.kv_caches)
-    return out, ref, [e.name for e in prof.events()]
+        eager_off = worker._eager_forward(chunks, worker.kv_caches)
+    return GraphStep(out, eager_on, eager_off, [e.name for e in prof.events()])
 
 
-def graph_steps(monkeypatch, switch: str, on: str, hf_overrides: dict, rows=(1, 4)) -> dict:
+def graph_steps(monkeypatch, switch: str, on: str, hf_overrides: dict, rows=(1, 4)) -> dict[int, GraphStep]:
     """`tiny` in bf16 with the switch set to `on` while its decode graphs are captured at `rows`
-    sequences, its KV caches random: {rows: `replay_and_eager`'s (replay, eager step without it, names)}."""
+    sequences, its KV caches random: {rows: `replay_and_eager`'s GraphStep}."""
     from service import LLM
 
     monkeypatch.setenv(switch, on)
