@@ -100,9 +100,12 @@ def test_graph_replay_follows_new_contexts(monkeypatch):
     assert mla_cuda.GUARD.failure is None
 
 
-def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch):
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch, pdl):
     """`tiny` with the K3/DeepSeek MLA widths (latent 512, rope 64) in bf16: graphs captured with the
-    kernel on at 1 and 4 sequences, each replay against the eager step with it off."""
+    kernel on at 1 and 4 sequences, each replay against the eager step with it on and off; with
+    programmatic dependent launch and without, so a failure under PDL alone names it."""
+    monkeypatch.setenv("LATENTSERVE_PDL", pdl)
     shapes = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
     # Runs 120-121 failed this (0.12 at one sequence, then 0.18 at four with seeded caches at a
     # quarter scale), runs 116-119 passed it: see mla_cuda.py on the kernel's loads under PDL.
