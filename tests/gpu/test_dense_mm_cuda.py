@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import GRAPH_SHAPES
+from kernel_env import GRAPH_SHAPES, rel_error
 
 from service import LLM
 from service.engine.plan import SeqChunk, StepPlan
@@ -24,10 +24,6 @@ OVERRIDES = GRAPH_SHAPES
 ROWS = 80  # above gemv.max_rows(): the projections are cuBLAS's
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_products_match_float64_in_bf16():
     g = torch.Generator(device=DEV).manual_seed(0)
     x, w = torch.randn(ROWS, 512, device=DEV, generator=g), torch.randn(1024, 512, device=DEV, generator=g)
@@ -36,8 +32,8 @@ def test_products_match_float64_in_bf16():
     args = [t.bfloat16() for t in (x, w, x2, w2)]
     out = torch.ops.latentserve.mm_t_sum(*args)
     assert out.dtype == torch.bfloat16 and out.shape == (ROWS, 1024)
-    assert _rel(out, ref) < 1e-2
-    assert _rel(torch.ops.latentserve.mm_t(args[0], args[1]), x.double() @ w.double().t()) < 1e-2
+    assert rel_error(out, ref) < 1e-2
+    assert rel_error(torch.ops.latentserve.mm_t(args[0], args[1]), x.double() @ w.double().t()) < 1e-2
 
 
 def _replay_errors(llm: LLM) -> tuple[float, float]:
@@ -53,7 +49,7 @@ def _replay_errors(llm: LLM) -> tuple[float, float]:
         out = worker.execute(StepPlan(chunks))
         assert worker.decode_graphs.replays == before + 1, "the step did not replay a graph"
         ref = worker._eager_forward(chunks, worker.kv_caches)
-    errs = sorted(_rel(out[r], ref[r]) for r in range(ROWS))
+    errs = sorted(rel_error(out[r], ref[r]) for r in range(ROWS))
     return errs[ROWS // 2], errs[-1]
 
 
@@ -90,7 +86,7 @@ def test_the_residual_patterns_compile_without_a_copy(monkeypatch):
         att, moe = torch.compile(attention_out), torch.compile(moe_out)
         seen[flag] = (_copies(att, h, x, w), _copies(moe, a, wa, b, wb))
         ref = (h.double() + x.double() @ w.double().t(), a.double() @ wa.double().t() + b.double() @ wb.double().t())
-        assert _rel(att(h, x, w)[0], ref[0]) < 1e-2 and _rel(moe(a, wa, b, wb), ref[1]) < 1e-2
+        assert rel_error(att(h, x, w)[0], ref[0]) < 1e-2 and rel_error(moe(a, wa, b, wb), ref[1]) < 1e-2
     torch._dynamo.reset()
     assert seen["0"][0] >= 1, f"the premise: addmm copies the residual ({seen})"
     assert seen["1"] == (0, 0), seen

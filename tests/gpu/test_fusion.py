@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import GRAPH_SHAPES
+from kernel_env import GRAPH_SHAPES, rel_error
 
 from service import LLM
 from service.engine.plan import SeqChunk, StepPlan
@@ -85,10 +85,6 @@ def test_compiled_chain_replays_in_a_cuda_graph():
 OVERRIDES = GRAPH_SHAPES
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_compiled_decode_layers_in_graphs_match_the_eager_step(monkeypatch):
     monkeypatch.setenv("LATENTSERVE_COMPILE", "layers")  # the default; set in case the environment says otherwise
     llm = LLM(model="tiny", hf_overrides=OVERRIDES, dtype="bfloat16", device=DEV, seed=0,
@@ -116,7 +112,7 @@ def test_compiled_decode_layers_in_graphs_match_the_eager_step(monkeypatch):
             # bf16 activations are rounded in other places (fused kernels keep fp32 between ops):
             # ~5e-3 per layer. A router near-tie can flip one token's expert and move that row
             # by ~0.5 (seen on CPU with the same weights), so most rows, not all, must be close.
-            errs = sorted(_rel(out[r], ref[r]) for r in range(b))
+            errs = sorted(rel_error(out[r], ref[r]) for r in range(b))
             assert errs[(b - 1) // 2] < 3e-2, f"batch {b}: per-row errors vs eager {errs}"
             assert errs[-1] < 1.0, f"batch {b}: a row is unrelated to the eager step: {errs}"
     finally:
@@ -134,5 +130,5 @@ def test_mla_decode_custom_op_matches_kernel_and_fake():
     out = torch.ops.latentserve.mla_decode(*args)
     one_split = mla_decode.mla_decode(*args, splits=1)  # no merge at all
     assert out.shape == (3, 16, lora) and out.dtype == torch.float32
-    assert _rel(out, one_split) < 1e-2
+    assert rel_error(out, one_split) < 1e-2
     torch.library.opcheck(torch.ops.latentserve.mla_decode.default, args, test_utils=("test_schema", "test_faketensor"))
