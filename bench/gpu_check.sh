@@ -132,7 +132,7 @@ if [ "$what" = cuda_c ]; then  # the hand-written CUDA C kernels: their GPU test
   # test failed there only); then the table with the kernels against the Triton ones and the candidates.
   group tests_cuda_c 270 tests/gpu/test_cuda_c_loads.py tests/gpu/test_gemv_cuda.py tests/gpu/test_mla_cuda.py \
     tests/gpu/test_moe_cuda.py tests/gpu/test_add_norm.py
-  grep -E "^FAILED|^E  .*assert" "$OUT/tests_cuda_c.txt" | cut -c1-250 | head -8
+  grep -E "^FAILED|^E  .*assert|graph step " "$OUT/tests_cuda_c.txt" | cut -c1-250 | head -24
   BASELINES=${BASELINES:-same_build,mla_cuda,gemv_cuda_off,gemv_cuda_k8,moe_cuda} what=goal
 fi
 if [ "$what" = goal ] || [ "$what" = goal_ncu ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget

@@ -117,7 +117,11 @@ def graph_steps(monkeypatch, switch: str, on: str, hf_overrides: dict, rows=(1, 
             gen = torch.Generator(device=worker.kv_caches[0].device).manual_seed(0)
             for kv in worker.kv_caches:
                 kv.normal_(generator=gen)
-        return {r: replay_and_eager(worker, r, monkeypatch, switch, on) for r in rows}
+        steps = {r: replay_and_eager(worker, r, monkeypatch, switch, on) for r in rows}
+        for r, step in steps.items():  # in the log whether the test passes or not (gpu_check.sh greps it)
+            on_err, off_err = step.errors()
+            print(f"graph step {switch}={on} {r} rows: replay vs eager on {on_err:.2e}, off {off_err:.2e}")
+        return steps
     finally:
         llm.shutdown()
         torch._dynamo.reset()
