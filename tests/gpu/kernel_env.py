@@ -120,7 +120,8 @@ def graph_steps(monkeypatch, switch: str, on: str, hf_overrides: dict, rows=(1, 
         steps = {r: replay_and_eager(worker, r, monkeypatch, switch, on) for r in rows}
         for r, step in steps.items():  # in the log whether the test passes or not (gpu_check.sh greps it)
             on_err, off_err = step.errors()
-            print(f"graph step {switch}={on} {r} rows: replay vs eager on {on_err:.2e}, off {off_err:.2e}")
+            pdl = os.environ.get("LATENTSERVE_PDL", "1")
+            print(f"graph step {switch}={on} PDL {pdl} {r} rows: replay vs eager on {on_err:.2e}, off {off_err:.2e}")
         return steps
     finally:
         llm.shutdown()
