@@ -1,8 +1,8 @@
-"""The hand-written CUDA C kernels' build and launch (mla_small.cu, gemv_small.cu).
+"""The hand-written CUDA C kernels' build and launch (mla_small.cu, gemv_small.cu, expert_small.cu).
 
 Each .cu file is compiled by NVRTC at first use on each device through `cuda.bindings` (no
 toolkit at install time, none of CUDA's headers: the files declare what they use, and share
-mma_bf16.cuh, passed to NVRTC from this folder) and its kernels are
+this folder's headers, mma_bf16.cuh and gemv_tile.cuh, handed to NVRTC with each file) and its kernels are
 launched with `cuLaunchKernelEx` on torch's current stream, so CUDA graphs capture them like any
 other kernel, with programmatic dependent launch where the Triton kernels have it (pdl.py). A
 machine without `cuda.bindings` keeps the Triton kernels; each caller's `KernelGuard` turns its

@@ -113,7 +113,7 @@ def test_tokens_through_the_model_give_the_same_logits(tokens, monkeypatch, spy)
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs and compiled layers")
 def test_decode_graphs_with_the_folds_match_the_eager_step_without(monkeypatch):
     """`tiny` in bf16, graphs captured with the fold on at 1 and 4 sequences (its kernels at 1, the
-    plain ones at 4), each replay against the eager step with it off."""
+    plain ones at 4), each replay against the eager step with it on and off."""
     steps = graph_steps(monkeypatch, "LATENTSERVE_FOLD_ADD_NORM", "1", GRAPH_SHAPES)
     assert add_norm.GUARD.failure is None
     for rows, step in steps.items():

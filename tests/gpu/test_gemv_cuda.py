@@ -17,8 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 SWITCH = "LATENTSERVE_GEMV_CUDA_MAX_ROWS"
 
 
-
-
 def operands(m: int, n: int, k: int, seed: int, row_stride: int | None = None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, row_stride or k, device="cuda", generator=g).to(torch.bfloat16)[:, :k]
@@ -106,7 +104,7 @@ def test_graph_replay_reads_new_rows(monkeypatch):
 
 def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch):
     """`tiny` in bf16: decode graphs captured with the kernel on at 1 and 4 sequences, each replay
-    against the eager step with it off (the Triton GEMV)."""
+    against the eager step with it on and off (the Triton GEMV)."""
     steps = graph_steps(monkeypatch, SWITCH, "16", GRAPH_SHAPES)
     assert gemv_cuda.GUARD.failure is None and gemv.GUARD.failure is None
     for rows, step in steps.items():

@@ -19,8 +19,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 SWITCH = "LATENTSERVE_MOE_CUDA_MAX_PAIRS"
 
 
-
-
 def case(m: int, top_k: int, experts: int, width: int, shard: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, width, generator=g).cuda().bfloat16()
@@ -93,7 +91,7 @@ def test_graph_replay_follows_new_routing(monkeypatch):
 
 def test_decode_graphs_with_the_kernels_match_the_eager_step_without(monkeypatch):
     """`tiny` in bf16: decode graphs captured with the kernels on at 1 and 4 sequences, each replay
-    against the eager step with them off."""
+    against the eager step with them on and off."""
     steps = graph_steps(monkeypatch, SWITCH, "32", GRAPH_SHAPES)
     assert moe_cuda.GUARD.failure is None
     for rows, step in steps.items():
