@@ -22,6 +22,13 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 # decode graphs need (on tiny's own widths they are off).
 GRAPH_SHAPES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
 
+# Every token routed to all of its layer's experts, in `graph_steps`: the step's logits are then a
+# continuous function of each kernel's output. Under tiny's top-4 of 16, noise of 3e-3 or 1e-2 of
+# each MLA layer's output (bench/route_flips.py, on a CPU) flipped one token's expert choice in 4 of
+# 20 tries and moved that row by 0.11-0.27, the size of runs 120-121's failures; with all four of
+# four experts chosen, no row moved by more than 0.034 (bench/RESULTS.md, 2026-12-07).
+DENSE_ROUTING = dict(n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1)
+
 
 def require_kernel_device():
     """Triton's module, or a skip of the calling module: no Triton, or neither CUDA nor the interpreter."""
@@ -102,12 +109,12 @@ def replay_and_eager(worker, rows: int, monkeypatch, switch: str, on: str) -> Gr
 
 
 def graph_steps(monkeypatch, switch: str, on: str, hf_overrides: dict, rows=(1, 4)) -> dict[int, GraphStep]:
-    """`tiny` in bf16 with the switch set to `on` while its decode graphs are captured at `rows`
-    sequences, its KV caches random: {rows: `replay_and_eager`'s GraphStep}."""
+    """`tiny` in bf16, routed densely (DENSE_ROUTING), with the switch set to `on` while its decode
+    graphs are captured at `rows` sequences, its KV caches random: {rows: `replay_and_eager`'s GraphStep}."""
     from service import LLM
 
     monkeypatch.setenv(switch, on)
-    llm = LLM(model="tiny", hf_overrides=hf_overrides, dtype="bfloat16", device=DEVICE, seed=0,
+    llm = LLM(model="tiny", hf_overrides={**hf_overrides, **DENSE_ROUTING}, dtype="bfloat16", device=DEVICE, seed=0,
               distributed_executor_backend="uni", max_num_seqs=max(rows), cuda_graph_batch_sizes=list(rows))
     try:
         worker = llm.executor.rank0
