@@ -624,10 +624,9 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # 112-115 moved its K step to 128: the build before at 8 and 64. Not at 256 (the table has
              # 64-row blocks there) nor at 97-192 (the old table had 32-row blocks there).
              "grouped_k64": {"LATENTSERVE_MOE_GROUPED_CONFIG": "16,64,64,4,4"},
-             # MLA decode's split kernel at 1-8 sequences in CUDA C (mla_cuda.py; runs 116-119, H100: 0.96-0.97x
-             # at batch 1, 0.97-0.99x at 8). Off by default since runs 120-121 (its engine graph test
-             # failed); its loads are coherent since, untimed.
-             "mla_cuda": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "8"},
+             # MLA decode's split kernel at 1-8 sequences in Triton, as before the CUDA C one (mla_cuda.py;
+             # run 122, H100: the default 0.95x of this at batch 1, 0.98x at 8).
+             "mla_cuda_off": {"LATENTSERVE_MLA_CUDA_MAX_ROWS": "0"},
              # The CUDA C split kernel at 32 splits: at 8 sequences one tile a program in 256 programs where
              # the default (the Triton kernel's count, 16) gives two in 128. Runs 119-120 (H100): 3.320 and
              # 3.387 ms against 3.356-3.366 at 16; within the runs' noise. 16 and 8 splits at one
@@ -640,10 +639,6 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # PDL wait. Predicted: fused_qkv_a and o_proj ~0.5 us faster each at 1-8 rows, the pair
              # (K 1024 + 768) a little; batch 1 and 8 ~0.99x.
              "gemv_cuda_k8": {"LATENTSERVE_GEMV_CUDA_K_WARPS": "8"},
-             # The routed experts at 1-4 tokens in CUDA C (moe_cuda.py), on the GEMV's tile. Predicted:
-             # at one token gate/up 11.2 -> ~10 us and down 7.1 -> ~5 us a layer, batch 1 ~0.95x;
-             # nothing at 8 and above (the grouped GEMM runs from 5 tokens).
-             "moe_cuda": {"LATENTSERVE_MOE_CUDA_MAX_PAIRS": "32"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -132,9 +132,9 @@ if [ "$what" = cuda_c ]; then  # the hand-written CUDA C kernels: their GPU test
   # test failed there only); then the table with the kernels against the Triton ones and the candidates.
   # CUDA_C_TESTS: fewer test files for a short budget.
   group tests_cuda_c 270 ${CUDA_C_TESTS:-tests/gpu/test_cuda_c_loads.py tests/gpu/test_gemv_cuda.py \
-    tests/gpu/test_mla_cuda.py tests/gpu/test_moe_cuda.py tests/gpu/test_add_norm.py}
+    tests/gpu/test_mla_cuda.py tests/gpu/test_add_norm.py}
   grep -E "^FAILED|^E  .*assert|graph step " "$OUT/tests_cuda_c.txt" | cut -c1-250 | head -24
-  BASELINES=${BASELINES:-same_build,mla_cuda,gemv_cuda_off,gemv_cuda_k8,moe_cuda} what=goal
+  BASELINES=${BASELINES:-same_build,mla_cuda_off,gemv_cuda_off,gemv_cuda_k8} what=goal
 fi
 if [ "$what" = goal ] || [ "$what" = goal_ncu ]; then  # the goal table alone (decode floor/step at 1/8/64/256), for a short budget
   reserve=5 profile=${PROFILE:-}  # PROFILE=1,8,64,256: each batch's exposed kernel times too
@@ -290,4 +290,5 @@ if [ "$what" = all ]; then
 fi
 if [[ "$what" == tests_* ]] || [ "$what" = all ]; then
   grep -h -E "capture_failed|capture_recompile|FAILED|ERROR" "$OUT"/*.txt | cut -c1-300 | head -30
+  true  # no such line is the good case: not the call's exit status (run 123 "failed" on grep's 1)
 fi

@@ -73,8 +73,9 @@ def torch_path(v):
 
 def cuda_kernel(variants, ref, t_default: float) -> dict:
     """The CUDA C split kernel on the same caches (its block tables int64), at any batch (the
-    engine runs it up to LATENTSERVE_MLA_CUDA_MAX_ROWS), its time against the default's and its
-    largest difference from the one-split Triton result."""
+    engine runs it up to LATENTSERVE_MLA_CUDA_MAX_ROWS), its time against the default's (the
+    Triton kernel: the variants' int32 tables keep the CUDA one out) and its largest difference
+    from the one-split Triton result."""
     wide = [(q, cache, tables.long(), *rest) for q, cache, tables, *rest in variants]
     with switches({"LATENTSERVE_MLA_CUDA_MAX_ROWS": str(variants[0][0].shape[0])}):
         err = (run(wide[0]) - ref).abs().max().item()

@@ -1,4 +1,4 @@
-// The decode GEMV's tile (gemv_small.cu, expert_small.cu): 8 rows of W against the rows of x over K,
+// The decode GEMV's tile (gemv_small.cu): 8 rows of W against the rows of x over K,
 // split by chunks of 32 between a program's warps, every operand read from global memory straight
 // into mma.m16n8k16 fragments (gemv_small.cu's header says why the K order inside a chunk is free).
 #pragma once

@@ -15,15 +15,17 @@ Runs 116-119 (H100, bench/RESULTS.md): the kernel's time in the step 10.5 -> 7.8
 sequence and 13.9 -> 10.8 at eight; steps 0.96-0.97x at batch 1 and 0.97-0.99x at 8 (the default then).
 Timed at 64 and 256 sequences too (run 119): 0.99x standalone, 1.00-1.01x in the step, so not there.
 
-**Off by default again since runs 120-121**: the engine's decode graphs with this kernel differed
-from the eager step (0.12 and 0.18 relative, test_mla_cuda.py's decode-graph test), where every
-standalone test passed. The suspected cause, mended but not yet run on a GPU: its inputs were
-loaded through the read-only path (ld.global.nc), which PTX allows only for data no kernel writes
-during its lifetime, and under PDL the kernel before it is still writing q when it starts.
+Runs 120-121 turned it off: the engine's decode graphs with it differed from the eager step
+without it by 0.12 and 0.18. That was an expert choice flipped by a small change upstream
+(bench/route_flips.py; a CPU run moved one row by 0.11-0.27 so), not the kernel: with every token
+routed to all experts, run 122 (H100) had the replay within 1.7e-2 of the eager step with it on and
+with it off, under PDL and without, the level of every other switch's graph test. The inputs are
+coherent loads (not ld.global.nc) since, as PTX asks of data another kernel may still be writing
+under PDL. Run 122's steps: 0.95x the Triton kernel's at batch 1, 0.98x at 8.
 
-Built and launched by nvrtc.py. LATENTSERVE_MLA_CUDA_MAX_ROWS (0: the Triton kernel; 8, bench/gpu.py's
-`mla_cuda`, to be the default again once that test passes). Without `cuda.bindings` the Triton
-kernel runs; a build or first-launch failure turns this one off for the process (`KernelGuard`).
+Built and launched by nvrtc.py. LATENTSERVE_MLA_CUDA_MAX_ROWS (8; 0: the Triton kernel, bench/gpu.py's
+`mla_cuda_off`). Without `cuda.bindings` the Triton kernel runs; a build or first-launch failure
+turns this one off for the process (`KernelGuard`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ SMEM_BYTES = HEADS * _QS * 2 + 2 * TILE * _QS * 2 + 2 * HEADS * _SS * 4 + HEADS 
 
 
 def max_rows() -> int:
-    return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "0"))
+    return int(os.environ.get("LATENTSERVE_MLA_CUDA_MAX_ROWS", "8"))
 
 
 def splits() -> int | None:

@@ -12,7 +12,7 @@ Triton kernel merges the splits (mla_merge.py; or merges them and applies W_UV: 
 The split kernel copies its KV tiles with cp.async; mla_decode_tma.py is the same contract with
 TMA copies (a candidate, `LATENTSERVE_MLA_TMA`, for KV blocks of 32 or 64 slots); mla_parts.py
 holds what the two share. mla_cuda.py is the same contract in CUDA C for 1-8
-sequences in bf16 (`LATENTSERVE_MLA_CUDA_MAX_ROWS`; off until its engine test passes again).
+sequences in bf16 (`LATENTSERVE_MLA_CUDA_MAX_ROWS`, 8 by default).
 
 Under torch.compile (the decode layers compiled inside the CUDA graphs) the two kernels are one
 opaque custom op, `torch.ops.latentserve.mla_decode`: Inductor neither traces the launch nor

@@ -1,4 +1,4 @@
-// What the hand-written CUDA C kernels share (mla_small.cu, gemv_small.cu, expert_small.cu): bf16 as raw 16-bit
+// What the hand-written CUDA C kernels share (mla_small.cu, gemv_small.cu): bf16 as raw 16-bit
 // words (NVRTC compiles them without CUDA's headers), its conversions, and the bf16 tensor-core MMA.
 #pragma once
 

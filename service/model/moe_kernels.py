@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from . import act_kernels, moe_cuda, moe_select, pdl
+from . import act_kernels, moe_select, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
@@ -277,20 +277,18 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty(m * top_k, shard, dtype=x.dtype, device=x.device)
+    gate_cfg, down_cfg = expert_configs(m * top_k)
+    _gate_up_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
+        x, w13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None,
+        **gate_cfg, **pdl.launch(x.device))
+    # One program per (pair, 32 output rows), then the slot sum: a token's experts in parallel
+    # (looping over them in one program left the kernel latency-bound: 41 us per layer at batch 1).
     width_out = w2.shape[1]
     part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
-    cuda = moe_cuda.supported(x, w13, w2, m * top_k)
-    if not (cuda and moe_cuda.run(x, w13, w2, weights, ids, h, part, ACTS[act], beta, linear_beta)):
-        gate_cfg, down_cfg = expert_configs(m * top_k)
-        _gate_up_kernel[(m * top_k, triton.cdiv(shard, gate_cfg["BLOCK_N"]))](
-            x, w13, ids, h, width, shard, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-            float(beta), float(linear_beta or 1.0), TOP_K=top_k, ACT=ACTS[act], CLIP_UP=linear_beta is not None,
-            **gate_cfg, **pdl.launch(x.device))
-        # One program per (pair, 32 output rows), then the slot sum: a token's experts in parallel
-        # (looping over them in one program left the kernel latency-bound: 41 us per layer at batch 1).
-        _down_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
-            h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
-            **down_cfg, **pdl.launch(h.device))
+    _down_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
+        h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
+        **down_cfg, **pdl.launch(h.device))
     if not sum_slots:
         return part
     return slot_sum(part, torch.empty(m, width_out, dtype=x.dtype, device=x.device), top_k)

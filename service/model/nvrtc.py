@@ -1,4 +1,4 @@
-"""The hand-written CUDA C kernels' build and launch (mla_small.cu, gemv_small.cu, expert_small.cu).
+"""The hand-written CUDA C kernels' build and launch (mla_small.cu, gemv_small.cu).
 
 Each .cu file is compiled by NVRTC at first use on each device through `cuda.bindings` (no
 toolkit at install time, none of CUDA's headers: the files declare what they use, and share

@@ -107,9 +107,8 @@ def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch,
     programmatic dependent launch and without, so a failure under PDL alone names it."""
     monkeypatch.setenv("LATENTSERVE_PDL", pdl)
     shapes = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
-    # Runs 120-121 failed this (0.12 at one sequence, then 0.18 at four with seeded caches at a
-    # quarter scale), runs 116-119 passed it: see mla_cuda.py on the kernel's loads under PDL, and
-    # kernel_env.DENSE_ROUTING on an expert choice flipped by a small change (the routing now used).
+    # Runs 120-121 failed this under tiny's sparse routing (0.12, 0.18): a flipped expert choice
+    # (kernel_env.DENSE_ROUTING). Run 122, routed densely: within 1.7e-2 both ways, PDL on and off.
     steps = graph_steps(monkeypatch, "LATENTSERVE_MLA_CUDA_MAX_ROWS", "8", shapes)
     assert mla_cuda.GUARD.failure is None
     for rows, step in steps.items():
