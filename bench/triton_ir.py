@@ -9,6 +9,8 @@ tensor-core MMAs, by Triton's own nvdisasm). Compiled for sm_90 from the kernel'
                               [--tma [--block-size 32]]
 
 --tma compiles mla_decode_tma.py's kernel instead (KV tiles by TMA; blocks of --block-size slots).
+--moe-down-early compiles moe_down_early.py's kernel (small's 768-wide shard, bf16) at its two launch
+shapes: registers, spills, and how many weight loads the PTX issues before the PDL wait.
 2026-12-06, write-kv, 32-token tiles, 4 warps, 3 stages: the cp.async kernel's tile is 932
 instructions for 68 MMAs; the TMA kernel's 450 (479 with the split's block ids in registers, 44
 bytes spilled a thread where 636 were).
@@ -36,7 +38,7 @@ try:
 except ImportError:
     sys.exit("bench/triton_ir.py needs Triton (pip install triton==3.6.0); no GPU is needed")
 
-from service.model import mla_decode, mla_decode_tma  # noqa: E402
+from service.model import mla_decode, mla_decode_tma, moe_down_early  # noqa: E402
 
 REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 POINTERS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "ctx_ptr": "*i64",
@@ -72,6 +74,19 @@ def compile_tma(block_n: int, warps: int, stages: int, write_kv: int, block_size
                   NUM_SPLITS=1, WRITE_KV=write_kv, IEEE=False, PDL=True, ROPE=0, MAX_TILES=8192 // block_n)
     descs = {"lat_desc": f"tensordesc<bf16[{block_n},256]>", "pe_desc": f"tensordesc<bf16[{block_n},64]>"}
     return _compile(mla_decode_tma._mla_decode_tma, consts, descs, warps, stages)
+
+
+def compile_down_early(block_n: int, warps: int, shard: int = 768):
+    k1, k2 = moe_down_early.spans(shard)
+    consts = dict(BLOCK_N=block_n, K1=k1, K2=k2, PDL=True)
+    types = {"h_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "part_ptr": "*fp32"}
+    return _compile(moe_down_early._down_early_kernel, consts, types, warps, 1)
+
+
+def loads_before_wait(ptx: str) -> tuple[int, int]:
+    """(global loads before the first griddepcontrol.wait, global loads in all) of a kernel's PTX."""
+    head, _, _ = ptx.partition("griddepcontrol.wait")
+    return head.count("ld.global"), ptx.count("ld.global")
 
 
 def _tool(name: str) -> str:
@@ -143,7 +158,17 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, help="cap registers a thread (ptx .maxnreg)")
     ap.add_argument("--tma", action="store_true", help="mla_decode_tma.py's kernel (KV tiles by TMA)")
     ap.add_argument("--block-size", type=int, default=32, help="--tma: KV cache block size (a multiple of BLOCK_N)")
+    ap.add_argument("--moe-down-early", action="store_true", help="moe_down_early.py's kernel instead")
     args = ap.parse_args()
+    if args.moe_down_early:
+        for bn, warps in ((16, 4), (32, 8)):
+            ptx = compile_down_early(bn, warps).asm["ptx"]
+            regs, spill = registers(ptx)
+            early, total = loads_before_wait(ptx)
+            print(f"moe_down_early BLOCK_N {bn} warps {warps}: {regs} registers, {spill} B spilled, "
+                  f"{programs_per_sm(regs, 0, warps)} programs an SM; {early} of {total} global loads before the "
+                  f"PDL wait", flush=True)
+        return
     for bn, warps, stages, pf in itertools.product(args.block_n, args.warps, args.stages,
                                                   (False, True) if args.prefetch else (False,)):
         if args.tma:

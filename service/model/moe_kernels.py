@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from . import act_kernels, moe_select, pdl
+from . import act_kernels, moe_down_early, moe_select, pdl
 from .act_kernels import ACTS
 from .kernel_guard import KernelGuard
 
@@ -286,9 +286,12 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     # (looping over them in one program left the kernel latency-bound: 41 us per layer at batch 1).
     width_out = w2.shape[1]
     part = torch.empty(m * top_k, width_out, dtype=torch.float32, device=x.device)
-    _down_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
-        h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
-        **down_cfg, **pdl.launch(h.device))
+    if moe_down_early.supported(m * top_k, shard):  # its slab before the PDL wait (a candidate)
+        moe_down_early.down(h, w2, ids, weights, part)
+    else:
+        _down_kernel[(m * top_k, triton.cdiv(width_out, down_cfg["BLOCK_N"]))](
+            h, w2, ids, weights, part, width_out, shard, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
+            **down_cfg, **pdl.launch(h.device))
     if not sum_slots:
         return part
     return slot_sum(part, torch.empty(m, width_out, dtype=x.dtype, device=x.device), top_k)

@@ -9,6 +9,8 @@ touches anything a kernel of the step writes (no read of an input still being wr
 over a buffer the previous kernel still reads), then lets its own dependents launch. Only weights,
 which no kernel of a step writes, are read before it: the first weight tile of the GEMVs (bf16 and
 FP8), the MoE entry kernel and the MLA absorb kernel, so that load overlaps the previous kernel's tail.
+One exception, a candidate: moe_down_early reads what a kernel two back wrote (the step's routing),
+which the kernel between has waited for.
 
 Off in the Triton interpreter (no inline PTX), below sm_90, and with LATENTSERVE_PDL=0 (the
 bench's baseline).

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
+from kernel_env import (
+    DEVICE,
+    GRAPH_SHAPES,
+    INTERPRET,
+    graph_steps,
+    kernel_marks,
+    require_kernel_device,
+    skip_interpreted_16bit_dot,
+)
 
 require_kernel_device()
 
-from service.model import moe, moe_kernels  # noqa: E402
+from service.model import moe, moe_down_early, moe_kernels  # noqa: E402
 
 pytestmark = kernel_marks(300)
 
@@ -154,9 +162,53 @@ def test_experts_match_float64(act, beta, linear_beta, m, top_k):
     torch.testing.assert_close(got.double().cpu(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("early", ["1", "32"])
+@pytest.mark.parametrize("m,top_k,shard", [(1, 8, 48), (3, 4, 64), (2, 8, 200)])
+def test_down_early_matches_float64(monkeypatch, early, m, top_k, shard):
+    """LATENTSERVE_MOE_DOWN_EARLY (moe_down_early.py, its slab loaded before the PDL wait): the
+    shard as two power-of-2 spans (48 = 32 + 16; 200 = 128 + a masked 128) or one (64), output rows
+    that end mid-block; the float64 reference and the default down kernel's parts."""
+    g = torch.Generator().manual_seed(m * 100 + shard)
+    experts, width = 12, 160
+    x = torch.randn(m, width, generator=g)
+    w13 = torch.randn(experts, 2 * shard, width, generator=g) * 0.1
+    w2 = torch.randn(experts, width, shard, generator=g) * 0.1
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)])
+    weights = torch.rand(m, top_k, generator=g)
+    silu = lambda a, b: torch.nn.functional.silu(a) * b  # noqa: E731
+    dev = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    base = torch.ops.latentserve.moe_experts_parts(*dev, "silu", 1.0, None)
+    monkeypatch.setenv("LATENTSERVE_MOE_DOWN_EARLY", early)
+    assert moe_down_early.supported(m * top_k, shard) and not moe_down_early.supported(32, shard)
+    got = torch.ops.latentserve.moe_experts_parts(*dev, "silu", 1.0, None)
+    torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5)
+    summed = got.view(m, top_k, width).sum(dim=1)
+    torch.testing.assert_close(summed.double().cpu(), reference(x, w13, w2, weights, ids, silu), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs and PDL on the GPU only")
+def test_decode_graphs_with_the_early_down_kernel_match_the_eager_step(monkeypatch):
+    """Under PDL the early kernel reads the routing before its wait, from two kernels back: decode
+    graphs of `tiny` (bf16, routed densely) at 1 and 4 sequences with it on, against the eager step
+    with it on and off."""
+    steps = graph_steps(monkeypatch, "LATENTSERVE_MOE_DOWN_EARLY", "1", GRAPH_SHAPES)
+    for rows, step in steps.items():
+        assert any("_down_early_kernel" in n for n in step.kernels), (rows, sorted(set(step.kernels)))
+        graph_err, kernel_err = step.errors()
+        assert graph_err < 3e-2 and kernel_err < 3e-2, (rows, graph_err, kernel_err)
+
+
+def test_down_early_spans():
+    assert [moe_down_early.spans(s) for s in (768, 384, 1024, 48, 200, 1)] == [
+        (512, 256), (256, 128), (1024, 0), (32, 16), (128, 128), (1, 0)]
+    assert not moe_down_early.supported(8, moe_down_early.MAX_SHARD + 1)
+
+
 @pytest.mark.skipif(INTERPRET, reason="bf16 on the GPU only")
+@pytest.mark.parametrize("early", ["0", "1", "32"])
 @pytest.mark.parametrize("m", [1, 8])
-def test_experts_bf16_match_the_torch_path(m):
+def test_experts_bf16_match_the_torch_path(monkeypatch, early, m):
+    monkeypatch.setenv("LATENTSERVE_MOE_DOWN_EARLY", early)  # 1 token: its slab before the PDL wait
     from service.config import PRESETS
 
     cfg = PRESETS["small"]
