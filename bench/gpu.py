@@ -640,7 +640,7 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # (K 1024 + 768) a little; batch 1 and 8 ~0.99x.
              "gemv_cuda_k8": {"LATENTSERVE_GEMV_CUDA_K_WARPS": "8"},
              # Below 32 pairs the experts' down kernel with its weight slab loaded before the PDL wait
-             # (moe_down_early.py): the routing comes from two kernels back. Predicted ~0.97x at batch 1
+             # (moe_down_early.py): the routing comes from two kernels back. Predicted 0.96-0.99x at batch 1
              # (the down kernel's ~7 us a layer toward its ~4.2 us of bytes), 1.00x at 8-256 (not taken).
              "moe_down_early": {"LATENTSERVE_MOE_DOWN_EARLY": "1"},
              "moe_down_early_32": {"LATENTSERVE_MOE_DOWN_EARLY": "32"},
