@@ -6,7 +6,8 @@ the down kernel ~7 us for 4.2 (run 103's profile). Its weights depend on the ste
 `moe_kernels._down_kernel` waits on the PDL barrier before it reads any of them. But the routing
 comes from two kernels back: under PDL this kernel starts only once every program of the gate/up
 kernel before it has passed its own wait, and that wait returned after the route select kernel
-had completed and flushed its writes. So the expert id and the routing weight may be read before
+had completed and flushed its writes (through any kernel Inductor puts between them: each of the
+step's kernels waits before it completes, so a completion implies its predecessors'). So the expert id and the routing weight may be read before
 this kernel's wait, and with them the program's whole weight slab: only `h`, the gate/up
 kernel's output, waits. The slab's loads then overlap the gate/up kernel's tail.
 
