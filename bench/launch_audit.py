@@ -92,7 +92,7 @@ def _spec(rec: dict) -> dict:
     opts = rec["options"]
     return {"module": fn.__module__, "kernel": fn.__name__, "names": [p.name for p in params], "sig": sig,
             "consts": consts, "divisible": divisible, "warps": opts.get("num_warps", 4),
-            "stages": opts.get("num_stages", 3), "grid": rec["grid"]}
+            "stages": opts.get("num_stages", 3), "maxnreg": opts.get("maxnreg"), "grid": rec["grid"]}
 
 
 def compile_specs(specs: list[dict]) -> list[dict]:
@@ -101,7 +101,7 @@ def compile_specs(specs: list[dict]) -> list[dict]:
 
     cache, out = {}, []
     for sp in specs:
-        key = json.dumps({k: sp[k] for k in ("module", "kernel", "sig", "consts", "divisible", "warps", "stages")},
+        key = json.dumps({k: sp[k] for k in ("module", "kernel", "sig", "consts", "divisible", "warps", "stages", "maxnreg")},
                          sort_keys=True, default=str)
         if key not in cache:
             fn = getattr(importlib.import_module(sp["module"]), sp["kernel"])
@@ -112,7 +112,7 @@ def compile_specs(specs: list[dict]) -> list[dict]:
             try:
                 c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                    options={"num_warps": sp["warps"], "num_stages": sp["stages"],
-                                            "launch_pdl": bool(sp["consts"].get("PDL"))})
+                                            "maxnreg": sp["maxnreg"], "launch_pdl": bool(sp["consts"].get("PDL"))})
                 regs, spill = registers(c.asm["ptx"])
                 cache[key] = {"regs": regs, "spill": spill, "smem": c.metadata.shared}
             except Exception as e:  # noqa: BLE001 - reported in the table, not fatal

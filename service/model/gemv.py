@@ -28,8 +28,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 from ..weights.fp8 import block_of, kernel_operands
-from . import act_kernels, gemv_cuda, pdl
-from .act_kernels import ACTS
+from . import gemv_cuda, pdl
 from .kernel_guard import KernelGuard
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -50,14 +49,6 @@ def max_rows() -> int:
 # Above this many weight elements cuBLAS streams at ~3.7 TB/s (lm_head: 36 us for 134 MB at one
 # row, ours 45 us at best): the GEMV is for the many small projections of a layer.
 MAX_WEIGHT_ELEMENTS = 16 << 20
-
-
-def gated_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The gate/up GEMV with the activation fused (LATENTSERVE_GATED_GEMV=1), at one row: it is
-    a register product only. Off by default: its first H200 run took 15 us per shared expert
-    where cuBLAS + the activation take 8.5."""
-    return (os.environ.get("LATENTSERVE_GATED_GEMV", "0") == "1" and supported(x, weight)
-            and x.numel() == x.shape[-1])
 
 
 def pair_supported(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
@@ -90,6 +81,14 @@ def pair_slots_enabled() -> bool:
     in runs 51 and 58, inside their noise; the default since runs 105-106 with the other switches
     of bench/gpu.py's `small_stack_off`. LATENTSERVE_GEMV_PAIR_SLOTS=0: a kernel of its own."""
     return os.environ.get("LATENTSERVE_GEMV_PAIR_SLOTS", "1") == "1"
+
+
+def pair_early() -> bool:
+    """At one row, the pair's second weight (16-bit) requests its first tile before the PDL wait
+    too, as the first weight does. That tile is all of it: the latent MoE's shared down-projection
+    (3.1 MB at `small`) then streams during the experts' down kernel, not after it.
+    LATENTSERVE_GEMV_PAIR_EARLY=1 (a candidate, bench `gemv_pair_early`)."""
+    return os.environ.get("LATENTSERVE_GEMV_PAIR_EARLY", "0") == "1"
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -236,50 +235,33 @@ if triton is not None:
                      stride_w2, g_ptr, eps, s2_ptr, stride_s2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, NORM: tl.constexpr, SLOTS: tl.constexpr, FP8_2: tl.constexpr = False,
-                     BN2: tl.constexpr = 1, BK2: tl.constexpr = 1, SUB2: tl.constexpr = 1):
+                     BN2: tl.constexpr = 1, BK2: tl.constexpr = 1, SUB2: tl.constexpr = 1,
+                     PAIR_EARLY: tl.constexpr = False):
         """y = x @ w^T, or with PAIR x @ w^T + x2 @ w2^T (one rounding of the fp32 sum); NORM: x
         RMS-normed with weight g first; SLOTS: x's rows are sums of SLOTS fp32 rows (`_x_rows`);
-        FP8_2: w2 is FP8 with block scales s2 (an FP8 model's shared down-projection)."""
+        FP8_2: w2 is FP8 with block scales s2 (an FP8 model's shared down-projection).
+        PAIR_EARLY (16-bit w2): w2's first tile requested before the PDL wait too, as w's is; the
+        same sums in the same order."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nmask = n < N
         mmask = m < M
+        if PAIR_EARLY:
+            k2 = tl.arange(0, BLOCK_K)
+            w2_0 = tl.load(w2_ptr + n[:, None].to(tl.int64) * stride_w2 + k2[None, :],
+                           mask=nmask[:, None] & (k2 < K2)[None, :], other=0.0)
         acc = _rows_times(x_ptr, w_ptr, m, n, mmask, nmask, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, DOT,
                           IEEE, PDL, g_ptr, eps, NORM, SLOTS)
         if PAIR:
-            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, 0, K2, stride_x2, stride_w2, BLOCK_K, DOT, IEEE,
-                              s_ptr=s2_ptr, stride_s=stride_s2, SCALED=FP8_2, BN=BN2, BK=BK2, SUB=SUB2)
+            start = 0
+            if PAIR_EARLY:
+                acc = _product(acc, _x_tile(x2_ptr, m, k2, mmask, k2 < K2, stride_x2, None, None, False, 0), w2_0,
+                               DOT, IEEE)
+                start = BLOCK_K
+            acc = _accumulate(acc, x2_ptr, w2_ptr, m, n, mmask, nmask, start, K2, stride_x2, stride_w2, BLOCK_K, DOT,
+                              IEEE, s_ptr=s2_ptr, stride_s=stride_s2, SCALED=FP8_2, BN=BN2, BK=BK2, SUB=SUB2)
         tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
-
-
-    @triton.jit
-    def _gated_gemv_kernel(x_ptr, w_ptr, h_ptr, M, INTER, K, stride_x, stride_w, stride_h, beta, linear_beta,
-                           ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """h = act(x @ gate^T) * (x @ up^T) for W = [gate rows; up rows]: the MLP's first half
-        and its activation in one pass over W. Roundings as layers.act_and_mul after a GEMM."""
-        pdl.enter(PDL)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
-        nmask = n < INTER
-        mmask = m < M
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        rows = w_ptr + n[:, None].to(tl.int64) * stride_w
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            wmask = nmask[:, None] & kmask[None, :]
-            wg = tl.load(rows + k[None, :], mask=wmask, other=0.0).to(tl.float32)
-            wu = tl.load(rows + INTER * stride_w + k[None, :], mask=wmask, other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
-                         other=0.0).to(tl.float32)
-            acc_g += tl.sum(xv[:, None, :] * wg[None, :, :], 2)
-            acc_u += tl.sum(xv[:, None, :] * wu[None, :, :], 2)
-        dtype = h_ptr.dtype.element_ty
-        h = act_kernels.gated(acc_g, acc_u, beta, linear_beta, dtype, ACT, CLIP_UP)
-        tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h.to(dtype), mask=mmask[:, None] & nmask[None, :])
 
     def config(m: int, n: int, k: int, sms: int, max_k: int | None = None) -> dict:
         """Launch shape for [m, k] x [n, k]^T at one row: a program's whole weight slice (K up to
@@ -358,10 +340,16 @@ if triton is not None:
             bn2, bk2 = block_of(wb, scale2)
             fp8 = {"FP8_2": True, "BN2": bn2, "BK2": bk2, "SUB2": min(bk2, cfg["BLOCK_K"])}
         s2 = scale2 if scale2 is not None else x2  # unread without FP8_2
+        # One row (the register product; 2-16 rows' plain pair is the CUDA C GEMV's). The early tile
+        # costs registers: normed with the slot sum, 106 -> 138 a thread, 3 programs an SM and two
+        # waves of 512; capped at 128, no spill and one wave (sm_90 compile, bench/launch_audit.py).
+        early = {"PAIR_EARLY": True, "maxnreg": 128} if pair is not None and scale2 is None and m == 1 \
+            and pair_early() else {}
         _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))](
             x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), xb, wb, xb.shape[1], xb.stride(0),
             wb.stride(0), g, float(eps), s2, s2.stride(0), BLOCK_M=block_m, PAIR=pair is not None,
-            IEEE=weight.dtype == torch.float32, NORM=norm is not None, SLOTS=slots, **fp8, **cfg, **pdl.launch(x2.device))
+            IEEE=weight.dtype == torch.float32, NORM=norm is not None, SLOTS=slots, **fp8, **cfg, **early,
+            **pdl.launch(x2.device))
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""
@@ -376,30 +364,6 @@ if triton is not None:
         if not (gemv_cuda.supported(x2, weight) and gemv_cuda.run(x2, weight, y)):
             launch(x2, weight, y, shape(m, n, k, sm_count(x.device), x.element_size()))
         return y.view(*x.shape[:-1], n)
-
-    def _gated(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float, linear_beta: float | None):
-        k = x.shape[-1]
-        x2 = _rows(x)
-        m, inter = x2.shape[0], weight.shape[0] // 2
-        h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-        # Two weight tiles per step: half the K block of a plain GEMV with the same registers.
-        cfg = config(m, inter, k, sm_count(x.device))
-        cfg["BLOCK_K"] = max(64, cfg["BLOCK_K"] // 2)
-        _gated_gemv_kernel[(triton.cdiv(inter, cfg["BLOCK_N"]),)](
-            x2, weight, h, m, inter, k, x2.stride(0), weight.stride(0), h.stride(0), float(beta),
-            float(linear_beta or 1.0), ACT=ACTS[act], CLIP_UP=linear_beta is not None,
-            BLOCK_M=triton.next_power_of_2(m), **cfg, **pdl.launch(x2.device))
-        return h.view(*x.shape[:-1], inter)
-
-    @torch.library.custom_op("latentserve::gated_gemv", mutates_args=())
-    def gated_gemv(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float,
-                   linear_beta: float | None) -> torch.Tensor:
-        """x [..., K]; weight [2I, K] (gate rows, then up rows) -> act(gate) * up [..., I]."""
-        return _gated(x, weight, act, beta, linear_beta)
-
-    @gated_gemv.register_fake
-    def _(x, weight, act, beta, linear_beta):
-        return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
     def _pair(x, weight, x2, weight2, norm=None, slots=0, scale2=None):
         a, b = _rows(x), _rows(x2)

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
-from . import dense_mm, fp8, gemv
+from . import dense_mm, fp8, gemv, gemv_gated
 from .fusion import fused
 
 
@@ -226,7 +226,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         w = self.gate_up_proj.weight
-        if gemv.gated_supported(x, w) and self.act_name in gemv.ACTS:  # one decode row: GEMV + activation, one kernel
+        if gemv_gated.supported(x, w, self.act_name):  # one decode row: GEMV + activation, one kernel
             h = gemv.run(torch.ops.latentserve.gated_gemv, x, w, self.act_name, self.act_beta, self.act_linear_beta)
             if h is not None:
                 return self.down_proj(h, reduce=reduce)

@@ -24,6 +24,7 @@ import torch
 
 from ..weights import fp8 as fmt
 from . import act_kernels, add_norm, fp8, gemv, moe_kernels, pdl
+from .act_kernels import ACTS
 
 try:
     import triton
@@ -50,7 +51,7 @@ def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor,
     (LATENTSERVE_MOE_ENTRY=0 keeps the separate launches: the bench's baseline)."""
     if os.environ.get("LATENTSERVE_MOE_ENTRY", "1") == "0" or not moe_kernels.enabled():
         return False
-    if x.dim() != 2 or not 0 < x.shape[0] <= max_rows() or act not in gemv.ACTS:
+    if x.dim() != 2 or not 0 < x.shape[0] <= max_rows() or act not in ACTS:
         return False
     if down_scale is None and shared_scale is None:
         return all(gemv.supported(x[:1], w) for w in (down, shared_gate_up, router))
@@ -286,7 +287,7 @@ if triton is not None:
             _entry_rows_kernel[(triton.cdiv(m, bm), grid)](
                 x, down, shared_gate_up, router, latent, h, logits, *scales, m, k, latent_dim, inter, experts,
                 x.stride(0), down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides, float(beta),
-                float(linear_beta or 1.0), ACT=gemv.ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm,
+                float(linear_beta or 1.0), ACT=ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_M=bm,
                 IEEE=x.dtype == torch.float32, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), **launch,
                 **pdl.launch(x.device))
             return latent, h, logits
@@ -300,7 +301,7 @@ if triton is not None:
         grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
         _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, *scales, k, latent_dim, inter,
                                experts, down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides,
-                               float(beta), float(linear_beta or 1.0), add, g, total, float(eps), ACT=gemv.ACTS[act],
+                               float(beta), float(linear_beta or 1.0), add, g, total, float(eps), ACT=ACTS[act],
                                CLIP_UP=linear_beta is not None, BLOCK_N=bn, BLOCK_K=bk, FP8=is_fp8, BN=bn_s, BK=bk_s,
                                SUB=min(bk_s, bk), FOLD=fold is not None, num_warps=4, num_stages=4,
                                **pdl.launch(x.device))

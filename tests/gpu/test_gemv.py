@@ -15,7 +15,7 @@ from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device, s
 
 require_kernel_device()
 
-from service.model import dense_mm, gemv, layers  # noqa: E402
+from service.model import dense_mm, gemv, gemv_gated, layers  # noqa: E402
 from service.weights import fp8 as fmt  # noqa: E402
 
 pytestmark = kernel_marks(300)
@@ -96,10 +96,10 @@ def test_linear_routes_by_rows(monkeypatch):
     assert gemv.supported(torch.randn(gemv.max_rows(), 32).to(DEVICE), w)
     assert not gemv.supported(torch.randn(gemv.max_rows() + 1, 32).to(DEVICE), w)
     assert not gemv.supported(torch.randn(2, 32).to(DEVICE, torch.bfloat16), w)  # dtype mismatch
-    assert not gemv.gated_supported(torch.randn(1, 32).to(DEVICE), w)  # opt-in
+    assert not gemv_gated.supported(torch.randn(1, 32).to(DEVICE), w, "silu")  # opt-in
     monkeypatch.setenv("LATENTSERVE_GATED_GEMV", "1")
-    assert gemv.gated_supported(torch.randn(1, 32).to(DEVICE), w)
-    assert not gemv.gated_supported(torch.randn(2, 32).to(DEVICE), w)  # a register product: one row only
+    assert gemv_gated.supported(torch.randn(1, 32).to(DEVICE), w, "silu")
+    assert not gemv_gated.supported(torch.randn(2, 32).to(DEVICE), w, "silu")  # a register product: one row only
     monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "0")
     assert not gemv.supported(torch.randn(1, 32).to(DEVICE), w)
     x = torch.randn(33, 32).to(DEVICE)  # above the limit: cuBLAS / torch
@@ -232,6 +232,34 @@ def test_gemv_pair_normed_norms_x_first(n, k, k2, dtype, m):
     xd = x.double()
     ref = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.double()) @ w.double().t()
     torch.testing.assert_close(y.double(), ref + x2.double() @ w2.double().t(), atol=tol * 8, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("slots", [0, 8])
+@pytest.mark.parametrize("n,k,k2", [(2048, 1024, 768), (64, 96, 2100)])
+def test_gemv_pair_early_gives_the_same_bits(n, k, k2, slots, monkeypatch):
+    """LATENTSERVE_GEMV_PAIR_EARLY=1 (one row: the second weight's first tile before the PDL wait):
+    the same sums in the same order, so the same bits, plain and normed with the slot sum; a second
+    weight wider than one K step (2100 over 2048) keeps the loop for the rest. The Triton kernel,
+    not the CUDA C GEMV that takes the plain pair on a GPU."""
+    m = 1
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    monkeypatch.setenv("LATENTSERVE_GEMV_MAX_ROWS", "16")
+    monkeypatch.setenv("LATENTSERVE_GEMV_CUDA_MAX_ROWS", "0")
+    g = torch.Generator().manual_seed(n + k2 + slots)
+    x = torch.randn(m * max(1, slots), k, generator=g).to(DEVICE, torch.float32 if slots else dtype)
+    x2 = torch.randn(m, k2, generator=g).to(DEVICE, dtype)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(n, k2, generator=g) / k2 ** 0.5).to(DEVICE, dtype)
+
+    def pair():
+        if slots:
+            return torch.ops.latentserve.gemv_pair_normed(x, norm, 1e-6, w, x2, w2, slots)
+        return torch.ops.latentserve.gemv_pair(x, w, x2, w2)
+
+    before = pair()
+    monkeypatch.setenv("LATENTSERVE_GEMV_PAIR_EARLY", "1")
+    assert gemv.pair_early() and torch.equal(pair(), before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
