@@ -645,8 +645,8 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              "moe_down_early": {"LATENTSERVE_MOE_DOWN_EARLY": "1"},
              "moe_down_early_32": {"LATENTSERVE_MOE_DOWN_EARLY": "32"},
              # At one row the latent MoE's pair GEMV requests its second weight (the shared experts' down
-             # projection, 3.1 MB at small) before the PDL wait too (gemv.pair_early). Predicted 0.99x at
-             # batch 1, 1.00x above (not taken).
+             # projection, 3.1 MB at small) before the PDL wait too (gemv.pair_early). Predicted 0.99-1.00x
+             # at batch 1, 1.00x above (not taken).
              "gemv_pair_early": {"LATENTSERVE_GEMV_PAIR_EARLY": "1"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},

@@ -28,13 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
-from kernel_env import DENSE_ROUTING  # noqa: E402
+from kernel_env import DENSE_ROUTING, MLA_CUDA_SHAPES  # noqa: E402
 
 from service import LLM  # noqa: E402
 from service.engine.plan import SeqChunk  # noqa: E402
 from service.model.attention import MLAAttention  # noqa: E402
-
-SHAPES = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
 
 
 class Noise:
@@ -56,7 +54,7 @@ def rel(a: torch.Tensor, b: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def measure(routing: str, overrides: dict, args) -> list[dict]:
-    llm = LLM(model="tiny", hf_overrides={**SHAPES, **overrides}, dtype="bfloat16", device="cpu", seed=0,
+    llm = LLM(model="tiny", hf_overrides={**MLA_CUDA_SHAPES, **overrides}, dtype="bfloat16", device="cpu", seed=0,
               distributed_executor_backend="uni", max_num_seqs=max(args.rows))
     try:
         worker = llm.executor.rank0

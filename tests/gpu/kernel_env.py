@@ -21,6 +21,9 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 # `tiny` with power-of-2 MLA latent and rope widths: the Triton MLA decode kernel runs, which the
 # decode graphs need (on tiny's own widths they are off).
 GRAPH_SHAPES = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
+# The same at the widths the CUDA C MLA kernel takes (latent 512, rope 64): its graph test, and
+# bench/route_flips.py's question of how far a change to those layers moves the logits.
+MLA_CUDA_SHAPES = {**GRAPH_SHAPES, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
 
 # Every token routed to all of its layer's experts, in `graph_steps`: the step's logits are then a
 # continuous function of each kernel's output. Under tiny's top-4 of 16, noise of 3e-3 or 1e-2 of

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import graph_steps, record_calls, rel_error, require_cuda_c
+from kernel_env import MLA_CUDA_SHAPES, graph_steps, record_calls, rel_error, require_cuda_c
 
 require_cuda_c()
 
@@ -106,10 +106,9 @@ def test_decode_graphs_with_the_kernel_match_the_eager_step_without(monkeypatch,
     kernel on at 1 and 4 sequences, each replay against the eager step with it on and off; with
     programmatic dependent launch and without, so a failure under PDL alone names it."""
     monkeypatch.setenv("LATENTSERVE_PDL", pdl)
-    shapes = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.1)
     # Runs 120-121 failed this under tiny's sparse routing (0.12, 0.18): a flipped expert choice
     # (kernel_env.DENSE_ROUTING). Run 122, routed densely: within 1.7e-2 both ways, PDL on and off.
-    steps = graph_steps(monkeypatch, "LATENTSERVE_MLA_CUDA_MAX_ROWS", "8", shapes)
+    steps = graph_steps(monkeypatch, "LATENTSERVE_MLA_CUDA_MAX_ROWS", "8", MLA_CUDA_SHAPES)
     assert mla_cuda.GUARD.failure is None
     for rows, step in steps.items():
         assert any("mla_split_small" in n for n in step.kernels), (rows, sorted(set(step.kernels)))
