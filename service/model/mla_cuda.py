@@ -41,9 +41,7 @@ from .kernel_guard import KernelGuard
 
 GUARD = KernelGuard("mla_cuda")
 SOURCE = Path(__file__).with_name("mla_small.cu")
-D_LAT, D_PE, HEADS, TILE, THREADS = 512, 64, 16, 32, 256
-_QS, _PS, _SS = 584, 40, 36  # mla_small.cu's shared-memory row strides
-SMEM_BYTES = HEADS * _QS * 2 + 2 * TILE * _QS * 2 + 2 * HEADS * _SS * 4 + HEADS * _PS * 2 + 3 * HEADS * 4 + 2 * TILE * 8
+D_LAT, D_PE, HEADS, THREADS = 512, 64, 16, 256
 
 
 def max_rows() -> int:
@@ -81,7 +79,7 @@ def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, b
 
 def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, cos, sin, num_heads,
             scale, block_size, splits, write, rope_mode) -> bool:
-    func = nvrtc.function(SOURCE, "mla_split_small", q_lat.device.index, SMEM_BYTES)
+    func = nvrtc.function(SOURCE, "mla_split_small", q_lat.device.index)
     c_i64, c_int, c_float = ctypes.c_longlong, ctypes.c_int, ctypes.c_float
     args = [nvrtc.ptr(t) for t in (q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, new_slots, cos,
                                    sin)]
@@ -91,7 +89,8 @@ def _launch(q_lat, q_pe, kv_cache, block_tables, context_lens, o, lse, new_kv, n
     args += [c_int(num_heads), c_float(scale), c_int(block_size.bit_length() - 1), c_int(splits), c_int(int(write)),
              c_int(rope_mode)]
     grid = (q_lat.shape[0], -(-num_heads // HEADS), splits)
-    return nvrtc.launch(func, grid, THREADS, SMEM_BYTES, q_lat.device, args)
+    smem = nvrtc.smem_bytes(SOURCE, "mla_split_small", q_lat.device.index)
+    return nvrtc.launch(func, grid, THREADS, smem, q_lat.device, args)
 
 
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -26,6 +26,12 @@
 #define SS 36          // score partial rows (floats)
 #define CHUNKS 72      // 16-byte chunks a KV row
 
+// Dynamic shared memory a program takes: q, two KV tiles, the score halves, P, the softmax's
+// alpha/max/sum and two tiles' slots (the carve-up at the top of mla_split_small). Exported, so
+// the launch (nvrtc.smem_bytes) reads this one number rather than a copy of the layout.
+#define SMEM_BYTES (HB * QS * 2 + 2 * TILE * QS * 2 + 2 * HB * SS * 4 + HB * PS * 2 + 3 * HB * 4 + 2 * TILE * 8)
+extern "C" __device__ const int mla_split_small_smem = SMEM_BYTES;
+
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 from pathlib import Path
 
 import torch
@@ -72,12 +73,44 @@ def compile_source(source: Path, arch: str) -> bytes:
 
 
 @functools.cache
+def _cubin(source: Path, device_index: int) -> bytes:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return compile_source(source, f"sm_{major}{minor}")
+
+
+def elf_int(image: bytes, symbol: str) -> int | None:
+    """The initial value of a 32-bit `symbol` in an ELF image (a cubin's `extern "C" __device__
+    const int`), read on the host: a copy from the device would break a CUDA graph capture that
+    happens to launch the kernel first. None if the image has no such symbol."""
+    shoff, = struct.unpack_from("<Q", image, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", image, 0x3A)
+    # Section headers: (type, offset, size, link) of each.
+    sections = [struct.unpack_from("<4xI16xQQI", image, shoff + i * shentsize) for i in range(shnum)]
+    for kind, offset, size, link in sections:
+        if kind != 2:  # SHT_SYMTAB; its link is its string table
+            continue
+        strtab = sections[link][1]
+        for at in range(offset, offset + size, 24):
+            name_at, shndx, value = struct.unpack_from("<I2xHQ", image, at)
+            end = image.index(b"\0", strtab + name_at)
+            if image[strtab + name_at:end] == symbol.encode() and 0 < shndx < shnum:
+                return struct.unpack_from("<i", image, sections[shndx][1] + value)[0]
+    return None
+
+
+@functools.cache
+def smem_bytes(source: Path, name: str, device_index: int) -> int:
+    """The dynamic shared memory kernel `name` takes, as its file exports it (`extern "C"
+    __device__ const int <name>_smem`); 0 for a kernel that exports none."""
+    return elf_int(_cubin(source, device_index), f"{name}_smem") or 0
+
+
+@functools.cache
 def _module(source: Path, device_index: int):
     """The compiled module of `source` on this device (kept alive by this cache)."""
     from cuda.bindings import driver
 
-    major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_source(source, f"sm_{major}{minor}")
+    cubin = _cubin(source, device_index)
     torch.cuda.init()
     with torch.cuda.device(device_index):
         torch.cuda.current_stream()  # torch's primary context current on this thread
@@ -88,17 +121,19 @@ def _module(source: Path, device_index: int):
 
 
 @functools.cache
-def function(source: Path, name: str, device_index: int, smem_bytes: int = 0):
-    """Kernel `name` of `source` on this device, allowed `smem_bytes` of dynamic shared memory."""
+def function(source: Path, name: str, device_index: int):
+    """Kernel `name` of `source` on this device, allowed the dynamic shared memory it exports
+    (`smem_bytes`)."""
     from cuda.bindings import driver
 
     module = _module(source, device_index)
+    smem = smem_bytes(source, name, device_index)
     with torch.cuda.device(device_index):
         err, func = driver.cuModuleGetFunction(module, name.encode())
         check(err, "cuModuleGetFunction")
-        if smem_bytes > 48 * 1024:
+        if smem > 48 * 1024:
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check(driver.cuFuncSetAttribute(func, attr, smem_bytes)[0], "cuFuncSetAttribute")
+            check(driver.cuFuncSetAttribute(func, attr, smem)[0], "cuFuncSetAttribute")
     return func
 
 
