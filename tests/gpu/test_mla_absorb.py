@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_env import DEVICE, INTERPRET, kernel_marks, require_kernel_device
+from kernel_env import DEVICE, INTERPRET, kernel_marks, rel_error, require_kernel_device
 
 require_kernel_device()
 
@@ -54,7 +54,7 @@ def test_absorb_q_matches_float64(dtype, tol, batch, heads):
     out = torch.ops.latentserve.mla_absorb_q(q[..., :nope], w_uk)  # a strided view, as the attention passes
     ref = torch.einsum("bhn,hnd->bhd", q[..., :nope].cpu().double(), w_uk.cpu().double())
     assert out.shape == (batch, heads, lora) and out.dtype == dtype
-    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    err = rel_error(out, ref)
     assert err < tol, f"relative error {err:.2e}"
 
 
@@ -68,7 +68,7 @@ def test_absorb_out_matches_float64(dtype, tol, batch, heads):
     # The torch path's rounding: the fp32 attention output cast to the model dtype first.
     ref = torch.einsum("bhd,hvd->bhv", o.to(dtype).cpu().double(), w_uv.cpu().double()).reshape(batch, heads * v)
     assert out.shape == (batch, heads * v) and out.dtype == dtype and out.is_contiguous()
-    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    err = rel_error(out, ref)
     assert err < tol, f"relative error {err:.2e}"
 
 
@@ -85,7 +85,7 @@ def check_both_at_deepseek_dims(batch: int, heads: int, dtype, tol: float) -> No
     refs = (torch.einsum("bhn,hnd->bhd", q.cpu().double(), w_uk.cpu().double()),
             torch.einsum("bhd,hvd->bhv", o.to(dtype).cpu().double(), w_uv.cpu().double()).reshape(batch, heads * v))
     for got, ref in zip((q_lat, out), refs):
-        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        err = rel_error(got, ref)
         assert err < tol, f"relative error {err:.2e}"
 
 
@@ -185,7 +185,7 @@ def test_decode_through_w_uv_equals_merge_then_absorb_out(dtype, tol, batch, spl
     assert fused.shape == two.shape == (batch, heads * v) and fused.dtype == dtype
     ref = torch.einsum("bhd,hvd->bhv", merged.to(dtype).cpu().double(), w_uv.cpu().double()).reshape(batch, -1)
     for out in (fused, two):
-        err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+        err = rel_error(out, ref)
         assert err < tol, f"relative error {err:.2e}"
 
 

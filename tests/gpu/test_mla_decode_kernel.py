@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from kernel_env import DEVICE, kernel_marks, require_kernel_device, skip_interpreted_16bit_dot
+from kernel_env import DEVICE, kernel_marks, rel_error, require_kernel_device, skip_interpreted_16bit_dot
 
 require_kernel_device()
 
@@ -68,7 +68,7 @@ def test_mla_decode_matches_reference(dtype, tol, batch, heads, splits):
     ref = reference(q.cpu(), kv.cpu(), tables.cpu(), ctx_list, lora, scale)
     assert out.shape == (batch, heads, lora) and out.dtype == torch.float32
     assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
-    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    err = rel_error(out, ref)
     assert err < tol, f"relative error {err:.2e}"
 
 
@@ -137,7 +137,7 @@ def check_launches(q, kv, tables, ctx, ctx_list, lora, tol, cfgs, new, expected_
         cache = kv.clone()
         out = mla_decode._mla_decode(q, cache, tables, ctx, lora, scale, splits=splits, cfg=cfg, **new)
         assert torch.isfinite(out).all(), "NaN from poisoned slots past a context leaked in"
-        err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+        err = rel_error(out, ref)
         assert err < tol, f"{label}{cfg}, {splits} splits: relative error {err:.2e}"
         assert torch.equal(cache.nan_to_num(), expected_kv.nan_to_num()), "the cache holds other rows than expected"
 
