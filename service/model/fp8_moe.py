@@ -6,14 +6,13 @@ scales [E, 2I/bn, W/bk] and [E, W/bn, I/bk]).
   reading only the chosen experts' FP8 rows and their block scales.
 - More tokens on a GPU: the grouped GEMM on FP8 tiles (fp8_grouped.py).
 - Otherwise (CPU; a kernel failure): the layer's experts dequantized to the activation dtype,
-  then torch's grouped GEMM (static shapes: CUDA graphs keep it) or, on CPU, one matmul chain
-  per active expert. Correct, not fast.
+  then the bf16 layer's own torch paths (FusedExperts.torch_experts: torch's grouped GEMM, which
+  CUDA graphs keep; on CPU the SiLU kernel or batched matmuls). Correct, not fast.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import act_kernels, fp8, fp8_grouped, moe_kernels, pdl
 
@@ -34,32 +33,8 @@ def experts(module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
                                module.act_name, module.act_beta, module.act_linear_beta)
         if out is not None:
             return out
-    w13d, w2d = fp8.dequantize(w13, s13, x.dtype), fp8.dequantize(w2, s2, x.dtype)
-    act = lambda gu: module.act(gu[..., : module.shard], gu[..., module.shard:])  # noqa: E731
-    m, k = ids.shape
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    if _grouped_mm_fast(x):
-        counts = torch.zeros(w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)
-        h = act(torch._grouped_mm(x.index_select(0, order // k), w13d.transpose(1, 2), offs=offs))
-        y = torch._grouped_mm(h, w2d.transpose(1, 2), offs=offs).float()
-        y = y * weights.flatten().index_select(0, order).unsqueeze(1)
-        return torch.empty_like(y).index_copy_(0, order, y).view(m, k, -1).sum(dim=1).to(x.dtype)
-    # Per (token, slot) pair in slot order: the sum is that of moe.FusedExperts' paths.
-    y = torch.zeros(m * k, w2.shape[1], dtype=torch.float32, device=x.device)
-    tokens = torch.arange(m * k, device=x.device) // k
-    for e in flat.unique().tolist():
-        rows = (flat == e).nonzero().flatten()
-        h = act(F.linear(x[tokens[rows]], w13d[e]))
-        y[rows] = F.linear(h, w2d[e]).float() * weights.flatten()[rows, None]
-    return y.view(m, k, -1).sum(dim=1).to(x.dtype)
-
-
-def _grouped_mm_fast(x: torch.Tensor) -> bool:
-    """As moe.grouped_mm_fast (not imported: moe imports this module)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
+    # No kernel took it: the layer's torch paths on the dequantized weights.
+    return module.torch_experts(x, weights, ids, fp8.dequantize(w13, s13, x.dtype), fp8.dequantize(w2, s2, x.dtype))
 
 
 if triton is not None:

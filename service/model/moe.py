@@ -121,15 +121,21 @@ class FusedExperts(nn.Module):
                                    self.act_name, self.act_beta, self.act_linear_beta)
             if out is not None:
                 return out
+        return self.torch_experts(x, weights, ids, self.w13, self.w2)
+
+    def torch_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor) -> torch.Tensor:
+        """`forward` in torch ops, where no Triton kernel took it, with these expert weights (the
+        layer's own, or its FP8 ones dequantized by fp8_moe)."""
         if grouped_mm_fast(x):  # LATENTSERVE_MOE_GROUPED=torch: the bench's baseline
-            return self.grouped(x, weights, ids)
+            return self.grouped(x, weights, ids, w13, w2)
         if x.device.type == "cpu" and x.shape[0] <= 64:
-            out = cpu_kernels.moe_silu(x, self.w13, self.w2, weights, ids) if self.act_name == "silu" else None
+            out = cpu_kernels.moe_silu(x, w13, w2, weights, ids) if self.act_name == "silu" else None
             if out is None:
-                out = self.padded(x, weights, ids)
+                out = self.padded(x, weights, ids, w13, w2)
             if out is not None:
                 return out
-        return self.per_expert(x, weights, ids)
+        return self.per_expert(x, weights, ids, w13, w2)
 
     def _gemv_kernels(self, x: torch.Tensor, grouped: bool) -> bool:
         """The GEMV expert kernels take these tokens (16-bit ones: up to the grouped GEMM's start)."""
@@ -156,9 +162,11 @@ class FusedExperts(nn.Module):
         return moe_kernels.call(op, x, self.w13, self.w2, weights, ids, self.act_name, self.act_beta,
                                 self.act_linear_beta)
 
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor | None = None,
+                w2: torch.Tensor | None = None) -> torch.Tensor:
         """Two grouped GEMMs over the (token, expert) pairs sorted by expert. No host sync and
         static shapes, so it runs inside CUDA graphs; deterministic (no atomics)."""
+        w13, w2 = self.w13 if w13 is None else w13, self.w2 if w2 is None else w2
         m, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -166,8 +174,8 @@ class FusedExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group; empty groups allowed
         xs = x.index_select(0, order // k)
-        h = self._act(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs))
-        y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs).float()
+        h = self._act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float()
         y = y * weights.flatten().index_select(0, order).unsqueeze(1)
         # Back to (token, slot) order, then a fixed-order sum over the k slots.
         pairs = torch.empty_like(y).index_copy_(0, order, y)
@@ -176,11 +184,13 @@ class FusedExperts(nn.Module):
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.act(gate_up[:, : self.shard], gate_up[:, self.shard:])
 
-    def padded(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    def padded(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor | None = None,
+               w2: torch.Tensor | None = None) -> torch.Tensor | None:
         """CPU, few tokens: each expert's rows padded to the busiest expert's count, so all
         experts run as two batched matmuls (~15 ops for the layer, not ~8 per active expert);
         the zero padding rows are never read back. Slot-order sum, as `grouped`. None when the
         padding would more than triple the rows (skewed or very sparse routing)."""
+        w13, w2 = self.w13 if w13 is None else w13, self.w2 if w2 is None else w2
         m, k = ids.shape
         num, width = self.num_experts, x.shape[1]
         flat = ids.flatten()
@@ -192,16 +202,18 @@ class FusedExperts(nn.Module):
         expert = flat[order]
         row = expert * cap + torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert]
         xs = x.new_zeros(num * cap, width).index_copy_(0, row, x[order // k])
-        gate_up = torch.bmm(xs.view(num, cap, width), self.w13.transpose(1, 2))
+        gate_up = torch.bmm(xs.view(num, cap, width), w13.transpose(1, 2))
         h = self.act(gate_up[..., : self.shard], gate_up[..., self.shard:])
-        y = torch.bmm(h, self.w2.transpose(1, 2)).view(num * cap, width)[row].float()
+        y = torch.bmm(h, w2.transpose(1, 2)).view(num * cap, width)[row].float()
         y = y * weights.flatten()[order].unsqueeze(1)
         pairs = torch.empty_like(y).index_copy_(0, order, y)
         return pairs.view(m, k, width).sum(dim=1).to(x.dtype)
 
-    def per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor | None = None,
+                   w2: torch.Tensor | None = None) -> torch.Tensor:
+        w13, w2 = self.w13 if w13 is None else w13, self.w2 if w2 is None else w2
         k = ids.shape[1]
-        out = torch.zeros(x.shape[0], self.w2.shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         tokens = order // k
@@ -214,8 +226,8 @@ class FusedExperts(nn.Module):
         for e, start, n in zip(*plan):
             tok = tokens[start:start + n]
             xe = x[tok]
-            h = self._act(F.linear(xe, self.w13[e]))
-            y = F.linear(h, self.w2[e]).float() * token_weights[start:start + n, None]
+            h = self._act(F.linear(xe, w13[e]))
+            y = F.linear(h, w2[e]).float() * token_weights[start:start + n, None]
             out.index_add_(0, tok, y)
         return out.to(x.dtype)
 
