@@ -648,6 +648,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # projection, 3.1 MB at small) before the PDL wait too (gemv.pair_early). Predicted 0.99-1.00x
              # at batch 1, 1.00x above (not taken).
              "gemv_pair_early": {"LATENTSERVE_GEMV_PAIR_EARLY": "1"},
+             # At one row the MoE entry kernel's last router program to finish chooses the experts
+             # (moe_entry.select_enabled), where the selection kernel ran on its own (2.4 us a layer exposed,
+             # run 117). Predicted 0.97-0.98x at batch 1, 1.00x above (not taken).
+             "entry_select": {"LATENTSERVE_MOE_ENTRY_SELECT": "1"},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -271,7 +271,8 @@ fi
 # alone ran out at 300 s after 197 of its tests): `tests_kernels`, `tests_kda` (KDA, FP8, device
 # comm), `tests_engine` (TP graphs, the engine); `all` runs them all.
 if [ "$what" = tests_kernels ] || [ "$what" = all ]; then
-  group kernels 560 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_kernels.py \
+  group kernels 560 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_entry_select.py \
+    tests/gpu/test_moe_kernels.py \
     tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py \
     tests/gpu/test_mla_absorb.py tests/gpu/test_mla_decode_kernel.py
 fi

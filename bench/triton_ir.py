@@ -38,7 +38,7 @@ try:
 except ImportError:
     sys.exit("bench/triton_ir.py needs Triton (pip install triton==3.6.0); no GPU is needed")
 
-from service.model import mla_decode, mla_decode_tma, moe_down_early  # noqa: E402
+from service.model import mla_decode, mla_decode_tma, moe_down_early, moe_entry, moe_select  # noqa: E402
 
 REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 POINTERS = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "ctx_ptr": "*i64",
@@ -55,7 +55,7 @@ def _compile(fn, consts: dict, types: dict, warps: int, stages: int, maxnreg: in
     types = {**POINTERS, **types}
     sig = {n: "constexpr" if n in consts else "fp32" if n == "scale" else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in consts and n not in UNSPECIALIZED and not sig[n].startswith("tensordesc")}
+             if n not in consts and n not in UNSPECIALIZED and not sig[n].startswith(("tensordesc", "fp"))}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
                                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -81,6 +81,22 @@ def compile_down_early(block_n: int, warps: int, shard: int = 768):
     consts = dict(BLOCK_N=block_n, K1=k1, K2=k2, PDL=True)
     types = {"h_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "part_ptr": "*fp32"}
     return _compile(moe_down_early._down_early_kernel, consts, types, warps, 1)
+
+
+def compile_entry(select: bool):
+    """moe_entry.py's one-row kernel as small's batch 1 launches it (bf16, the add-norm fold, 4-row
+    whole-K programs over K = 2048), with or without the experts chosen in it (small's 64 experts
+    in 8 groups, top 4 groups, top 8)."""
+    consts = dict(ACT=0, CLIP_UP=False, BLOCK_N=4, BLOCK_K=2048, PDL=True, FP8=False, BN=16, BK=16, SUB=16,
+                  FOLD=True, SELECT=select)
+    if select:
+        meta = moe_select.meta(64, 8, 4, 8, True, False)
+        consts.update({"E_SEL" if k == "E" else k: v for k, v in meta.items()}, GATHER_W=True)
+    bf16 = ("x_ptr", "down_ptr", "shared_ptr", "router_ptr", "latent_ptr", "h_ptr", "down_s_ptr", "shared_s_ptr",
+            "add_ptr", "g_ptr", "sum_ptr")
+    types = {**dict.fromkeys(bf16, "*bf16"), "logits_ptr": "*fp32", "bias_ptr": "*fp32", "wts_ptr": "*fp32",
+             "ids_ptr": "*i64", "count_ptr": "*i32", **dict.fromkeys(("beta", "linear_beta", "eps", "scaling"), "fp32")}
+    return _compile(moe_entry._entry_kernel, consts, types, 4, 4)
 
 
 def loads_before_wait(ptx: str) -> tuple[int, int]:

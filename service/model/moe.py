@@ -37,11 +37,13 @@ class TopkRouter(KeepFloat32, nn.Module):
         # A weight trainers update (load balancing), hence a parameter, not a buffer.
         self.e_score_correction_bias = frozen(cfg.n_routed_experts, dtype=torch.float32)
 
+    def choice(self) -> tuple:
+        """How the kernels choose: (n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)."""
+        return self.n_group, self.topk_group, self.top_k, self.norm_topk_prob, float(self.scaling), self.softmax
+
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights and ids from fp32 logits computed elsewhere (moe_entry), on the device."""
-        return torch.ops.latentserve.moe_route_select(logits, self.e_score_correction_bias, self.n_group,
-                                                      self.topk_group, self.top_k, self.norm_topk_prob,
-                                                      float(self.scaling), self.softmax)
+        return torch.ops.latentserve.moe_route_select(logits, self.e_score_correction_bias, *self.choice())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, H] -> (weights [M, k] fp32, expert ids [M, k])."""
@@ -253,13 +255,14 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = ReplicatedLinear(width, h, dtype)
             self.tail = tail if tail is not None else TailRunner(layer_idx, tp, "off")
 
-    def forward(self, x: torch.Tensor, entry: tuple | None = None) -> torch.Tensor:
-        """entry: `moe_entry`'s outputs for x, computed by the caller (`folded`)."""
+    def forward(self, x: torch.Tensor, entry: tuple | None = None, routing: tuple | None = None) -> torch.Tensor:
+        """entry: `moe_entry`'s outputs for x, computed by the caller (`folded`); routing: the
+        (weights, ids) its kernel chose too, if it did."""
         norm = self._norm_weight() if self.latent else None
         entry = entry if entry is not None else self._entry(x)
         if entry is not None:  # router, latent down and shared gate/up in one kernel (moe_entry)
             latent, h, logits = entry
-            weights, ids = self.gate.select(logits)
+            weights, ids = routing if routing is not None else self.gate.select(logits)
             out = self._slots_tail(latent, weights, ids, h, norm)
             if out is not None:
                 return out
@@ -342,8 +345,14 @@ class MoE(nn.Module):
         if weights is None:
             return None
         shared = self.shared_experts
-        out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm, h, add, norm.weight, norm.eps, *weights,
-                           shared.act_name, shared.act_beta, shared.act_linear_beta)
+        args = (h, add, norm.weight, norm.eps, *weights, shared.act_name, shared.act_beta, shared.act_linear_beta)
+        if moe_entry.select_enabled():  # the experts chosen in the entry kernel too
+            out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm_route, *args, self.gate.e_score_correction_bias,
+                               *self.gate.choice())
+            if out is not None:
+                latent, gated, logits, h, *routing = out
+                return h, self.forward(h, entry=(latent, gated, logits), routing=tuple(routing))
+        out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm, *args)
         if out is None:
             return None
         *entry, h = out

@@ -23,8 +23,9 @@ import os
 import torch
 
 from ..weights import fp8 as fmt
-from . import act_kernels, add_norm, fp8, gemv, moe_kernels, pdl
+from . import act_kernels, add_norm, fp8, gemv, moe_kernels, moe_select, pdl
 from .act_kernels import ACTS
+from .counters import ArrivalCounters
 
 try:
     import triton
@@ -42,6 +43,24 @@ def max_rows() -> int:
     router ran: batch 256 1.00x in time, 25.8 -> 22.9 kernels a layer (run 45; 64 is the bench's
     `entry_rows_64` baseline)."""
     return int(os.environ.get("LATENTSERVE_MOE_ENTRY_MAX_ROWS", "256"))
+
+
+def select_enabled() -> bool:
+    """LATENTSERVE_MOE_ENTRY_SELECT=1: at one row with the add-norm fold, the entry kernel also
+    chooses the token's experts (its last router program to finish, `_select_if_last`), where
+    moe_select's kernel was a launch of its own (2.4 us a layer exposed at batch 1, run 117). A
+    candidate, off by default (bench/gpu.py's `entry_select`)."""
+    return os.environ.get("LATENTSERVE_MOE_ENTRY_SELECT", "0") == "1"
+
+
+_COUNTERS = ArrivalCounters()
+
+
+def counter(device: torch.device) -> torch.Tensor | None:
+    """The zeroed arrival counter of `entry_add_norm_route`'s kernels, one a device for every layer
+    (each launch leaves it zeroed); None inside a CUDA graph capture that would have to make it."""
+    buf = _COUNTERS.get(device, 1)
+    return None if buf is None else buf[:1]
 
 
 def supported(x: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor,
@@ -118,16 +137,25 @@ if triton is not None:
     @triton.jit
     def _entry_kernel(x_ptr, down_ptr, shared_ptr, router_ptr, latent_ptr, h_ptr, logits_ptr, down_s_ptr, shared_s_ptr,
                       K, L, INTER, E, stride_d, stride_s, stride_r, stride_ds, stride_ss, beta, linear_beta,
-                      add_ptr, g_ptr, sum_ptr, eps, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      add_ptr, g_ptr, sum_ptr, eps, bias_ptr, wts_ptr, ids_ptr, count_ptr, scaling,
+                      ACT: tl.constexpr, CLIP_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      SUB: tl.constexpr, FOLD: tl.constexpr = False):
+                      SUB: tl.constexpr, FOLD: tl.constexpr = False, SELECT: tl.constexpr = False,
+                      E_SEL: tl.constexpr = 1, E_PAD: tl.constexpr = 1, N_GROUP: tl.constexpr = 1,
+                      TOPK_GROUP: tl.constexpr = 1, TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
+                      NORM: tl.constexpr = False, SOFTMAX: tl.constexpr = False, GATHER_W: tl.constexpr = False):
         # Each branch waits for the previous kernel (pdl.enter) after its first weight tile. FP8:
         # down and shared are block-scaled (BN x BK blocks, SUB-wide scale runs a K step). FOLD:
         # the input is rms_norm(x + add, g) (add_norm.py), and program 0 writes x + add to sum.
+        # SELECT: the router's programs come first, and the last of them to store its logits
+        # chooses the token's experts (`_select_if_last`).
         pid = tl.program_id(0)
         kblocks = tl.cdiv(K, BK)
         p_down = tl.cdiv(L, BLOCK_N)
         p_shared = tl.cdiv(INTER, BLOCK_N)
+        if SELECT:
+            p_router = tl.cdiv(E, BLOCK_N)
+            pid = tl.where(pid < p_router, pid + p_down + p_shared, pid - p_router)
         dtype = latent_ptr.dtype.element_ty
         if pid < p_down:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,6 +199,28 @@ if triton is not None:
             n = (pid - p_down - p_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(logits_ptr + n, _rows(router_ptr, x_ptr, n, n < E, K, stride_r, BLOCK_N, BLOCK_K, PDL, add_ptr, g_ptr,
                                                   eps, FOLD), mask=n < E)
+            if SELECT:
+                _select_if_last(logits_ptr, bias_ptr, wts_ptr, ids_ptr, count_ptr, scaling, tl.cdiv(E, BLOCK_N), E_SEL,
+                                E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM, SOFTMAX, GATHER_W)
+
+    @triton.jit
+    def _select_if_last(logits_ptr, bias_ptr, wts_ptr, ids_ptr, count_ptr, scaling, programs, E: tl.constexpr,
+                        E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                        K_PAD: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr, GATHER_W: tl.constexpr):
+        """Each router program counts itself in after its logits (a CTA barrier, then an acq_rel
+        atomic: the counter pattern of kda_step and bench/persistent_probe.py); the last to arrive
+        reads all of them and stores the experts and weights moe_select's kernel would, then zeroes
+        the counter for the next layer. Nobody waits: the others leave. The router's programs run
+        first, so the choice overlaps the latent and shared programs still streaming weights."""
+        tl.debug_barrier()  # this program's logits, stored by all its threads
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()  # every thread after the acquire
+            chosen, w = moe_select.choose(logits_ptr, bias_ptr, 0, 0, E, E_PAD, N_GROUP, TOPK_GROUP, TOP_K, K_PAD, NORM,
+                                          SOFTMAX, GATHER_W)
+            ks = tl.arange(0, K_PAD)
+            tl.store(ids_ptr + ks, chosen, mask=ks < TOP_K)
+            tl.store(wts_ptr + ks, w * scaling, mask=ks < TOP_K)
 
     @triton.jit
     def _tile(w, s_ptr, n, k0, stride_s, kblocks, nmask, dtype: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr,
@@ -262,10 +312,11 @@ if triton is not None:
         return launch
 
     def _entry(x, down, shared_gate_up, router, act, beta, linear_beta, down_scale=None, shared_scale=None,
-               cfg=None, fold=None):
+               cfg=None, fold=None, route=None):
         """cfg overrides the multi-row launch (BLOCK_N, BLOCK_K, num_warps, num_stages): bench/moe_entry.py's
         sweep. fold: (add, norm weight, eps, out), 16/32-bit weights: the input is rms_norm(x + add),
-        and x + add goes to out (`entry_add_norm`)."""
+        and x + add goes to out (`entry_add_norm`). route: (bias, weights out, ids out, counter,
+        scaling, moe_select.meta's constants), one row: the experts chosen in the kernel too."""
         m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
         latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
@@ -278,6 +329,12 @@ if triton is not None:
         strides = (down_scale.stride(0), shared_scale.stride(0)) if is_fp8 else (0, 0)
         if fold is not None and (is_fp8 or m > 1):
             raise ValueError("the add-norm fold takes one row of 16/32-bit weights")
+        if route is not None and m > 1:
+            raise ValueError("the entry kernel chooses experts for one row")
+        bias, wts, ids, counter, scaling, consts = route if route is not None else (x, x, x, x, 1.0, {})
+        if route is not None:  # choose's constants; E is the kernel's expert count already
+            consts = {"E_SEL" if name == "E" else name: v for name, v in consts.items()}
+            consts.update(SELECT=True, GATHER_W=moe_select.launch_options(consts["E_PAD"])["GATHER_W"])
         add, g, eps, total = fold if fold is not None else (x, x, 0.0, x)  # unread without FOLD
         if m > 1:
             bm = gemv.rows_tile(m, True)
@@ -301,10 +358,10 @@ if triton is not None:
         grid = triton.cdiv(latent_dim, bn) + triton.cdiv(inter, bn) + triton.cdiv(experts, bn)
         _entry_kernel[(grid,)](x, down, shared_gate_up, router, latent, h, logits, *scales, k, latent_dim, inter,
                                experts, down.stride(0), shared_gate_up.stride(0), router.stride(0), *strides,
-                               float(beta), float(linear_beta or 1.0), add, g, total, float(eps), ACT=ACTS[act],
-                               CLIP_UP=linear_beta is not None, BLOCK_N=bn, BLOCK_K=bk, FP8=is_fp8, BN=bn_s, BK=bk_s,
-                               SUB=min(bk_s, bk), FOLD=fold is not None, num_warps=4, num_stages=4,
-                               **pdl.launch(x.device))
+                               float(beta), float(linear_beta or 1.0), add, g, total, float(eps), bias, wts, ids,
+                               counter, float(scaling), ACT=ACTS[act], CLIP_UP=linear_beta is not None, BLOCK_N=bn,
+                               BLOCK_K=bk, FP8=is_fp8, BN=bn_s, BK=bk_s, SUB=min(bk_s, bk), FOLD=fold is not None,
+                               num_warps=4, num_stages=4, **consts, **pdl.launch(x.device))
         return latent, h, logits
 
     @torch.library.custom_op("latentserve::moe_entry", mutates_args=())
@@ -336,3 +393,37 @@ if triton is not None:
         m = x.shape[0]
         return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
                 x.new_empty(m, router.shape[0], dtype=torch.float32), torch.empty_like(x))
+
+    @torch.library.custom_op("latentserve::moe_entry_add_norm_route", mutates_args=())
+    def entry_add_norm_route(x: torch.Tensor, add: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             down: torch.Tensor, shared_gate_up: torch.Tensor, router: torch.Tensor, act: str,
+                             beta: float, linear_beta: float | None, bias: torch.Tensor, n_group: int,
+                             topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float,
+                             softmax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor, torch.Tensor]:
+        """`entry_add_norm`, then the token's routing weights [1, top_k] fp32 and expert ids [1, top_k]
+        as latentserve::moe_route_select gives them for its logits, chosen inside the same kernel
+        (`select_enabled`); by the selection kernel after it inside a CUDA graph capture that would
+        have to make the arrival counter (`counter`: here, not in the caller, which compiled layers
+        trace)."""
+        total = torch.empty_like(x)
+        wts = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(1, top_k, dtype=torch.long, device=x.device)
+        arrivals = counter(x.device)
+        fold = (add, norm_weight, eps, total)
+        if arrivals is None:
+            latent, h, logits = _entry(x, down, shared_gate_up, router, act, beta, linear_beta, fold=fold)
+            moe_select.select(logits, bias, wts, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
+            return latent, h, logits, total, wts, ids
+        consts = moe_select.meta(router.shape[0], n_group, topk_group, top_k, norm_topk_prob, softmax)
+        latent, h, logits = _entry(x, down, shared_gate_up, router, act, beta, linear_beta, fold=fold,
+                                   route=(bias, wts, ids, arrivals, scaling, consts))
+        return latent, h, logits, total, wts, ids
+
+    @entry_add_norm_route.register_fake
+    def _(x, add, norm_weight, eps, down, shared_gate_up, router, act, beta, linear_beta, bias, n_group, topk_group,
+          top_k, norm_topk_prob, scaling, softmax):
+        m = x.shape[0]
+        return (x.new_empty(m, down.shape[0]), x.new_empty(m, shared_gate_up.shape[0] // 2),
+                x.new_empty(m, router.shape[0], dtype=torch.float32), torch.empty_like(x),
+                x.new_empty(m, top_k, dtype=torch.float32), x.new_empty(m, top_k, dtype=torch.long))
