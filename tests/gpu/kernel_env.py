@@ -56,6 +56,19 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def experts_reference(x, w13, w2, weights, ids, act) -> torch.Tensor:
+    """The routed experts in float64 on the CPU (inputs on any device): sum_j weights[:, j] *
+    w2[ids[:, j]] @ act(w13[ids[:, j]] @ x), one expert at a time; act(gate, up) as the model's."""
+    x, w13, w2, weights, ids = (t.cpu() for t in (x.double(), w13.double(), w2.double(), weights.double(), ids))
+    shard = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[e].T
+        out.index_add_(0, tok, (act(gu[:, :shard], gu[:, shard:]) @ w2[e].T) * weights[tok, slot, None])
+    return out
+
+
 def record_calls(monkeypatch, module, name: str) -> list:
     """module.name wrapped so each call's result is appended to the returned list (the CUDA C
     kernels' `run` returns True once launched)."""

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from kernel_env import DEVICE, INTERPRET, kernel_marks, rel_error, require_kernel_device
+from kernel_env import DEVICE, INTERPRET, experts_reference, kernel_marks, rel_error, require_kernel_device
 
 require_kernel_device()
 
@@ -66,18 +66,6 @@ def test_align_matches_numpy(kind, m, k, experts, block_m):
     np.testing.assert_array_equal(block_expert[: len(blocks)].cpu().numpy(), blocks)
 
 
-def reference(x, w13, w2, weights, ids, act):
-    """float64 on the CPU: sum_j weights[:, j] * w2[ids[:, j]] @ act(w13[ids[:, j]] @ x), one expert at a time."""
-    x, w13, w2, weights, ids = (t.cpu() for t in (x.double(), w13.double(), w2.double(), weights.double(), ids))
-    shard = w2.shape[2]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    for e in ids.unique().tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        gu = x[tok] @ w13[e].T
-        out.index_add_(0, tok, (act(gu[:, :shard], gu[:, shard:]) @ w2[e].T) * weights[tok, slot, None])
-    return out
-
-
 def activation(act, beta, linear_beta):
     if act == "silu":
         return lambda g, u: torch.nn.functional.silu(g) * u
@@ -125,7 +113,7 @@ def test_experts_match_float64(dtype, m, width, shard, cfg, act):
             cfg["down"] = dict(zip(moe_grouped.DOWN_KEYS, cfg["down"]))
     got = moe_grouped.grouped_experts(*dev, act, beta, linear_beta, cfg=cfg)
     # The reference takes the dtype-rounded inputs, so only the kernels' own roundings remain.
-    ref = reference(*(t.to(dtype).float() if t.is_floating_point() else t for t in ref_args),
+    ref = experts_reference(*(t.to(dtype).float() if t.is_floating_point() else t for t in ref_args),
                     activation(act, beta, linear_beta))
     assert got.shape == (m, width) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -199,7 +187,7 @@ def tiny_experts(m: int):
     x = torch.randn(m, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.float16)
     ids = routing("uniform", m, cfg.num_experts_per_tok, 8, seed=3).to(DEVICE)
     weights = torch.rand(m, cfg.num_experts_per_tok, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    ref = reference(x.float().cpu(), ex.w13.float().cpu(), ex.w2.float().cpu(), weights.cpu(), ids.cpu(),
+    ref = experts_reference(x.float().cpu(), ex.w13.float().cpu(), ex.w2.float().cpu(), weights.cpu(), ids.cpu(),
                     activation(ex.act_name, ex.act_beta, ex.act_linear_beta))
     return ex, x, weights, ids, ref
 
@@ -274,7 +262,7 @@ def test_small_preset_bf16_matches_the_torch_grouped_path(m, monkeypatch):
         assert not moe_grouped.supported(x, ex.w13, ex.w2, "silu")
     assert torch.equal(got, again)
     assert torch.equal(via_forward, got)
-    ref = reference(x.float().cpu(), ex.w13.float().cpu(), ex.w2.float().cpu(), weights.cpu(), ids.cpu(),
+    ref = experts_reference(x.float().cpu(), ex.w13.float().cpu(), ex.w2.float().cpu(), weights.cpu(), ids.cpu(),
                     activation("silu", 1.0, None))
     scale = ref.norm().item()
     err = (got.double().cpu() - ref).norm().item() / scale

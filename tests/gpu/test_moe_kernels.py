@@ -14,6 +14,7 @@ from kernel_env import (
     DEVICE,
     GRAPH_SHAPES,
     INTERPRET,
+    experts_reference,
     graph_steps,
     kernel_marks,
     rel_error,
@@ -126,18 +127,6 @@ def test_prefill_router_selects_in_the_kernel(monkeypatch):
                                rtol=1e-5, atol=1e-6)
 
 
-def reference(x, w13, w2, weights, ids, act):
-    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
-    shard = w2.shape[2]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gu = w13[e] @ x[t]
-            out[t] += weights[t, j] * (w2[e] @ act(gu[:shard], gu[shard:]))
-    return out
-
-
 def situ(beta, linear_beta):
     def act(g, u):
         h = beta * torch.tanh(g / beta) * torch.sigmoid(g)
@@ -156,7 +145,7 @@ def test_experts_match_float64(act, beta, linear_beta, m, top_k):
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)])
     weights = torch.rand(m, top_k, generator=g)
     fn = (lambda a, b: torch.nn.functional.silu(a) * b) if act == "silu" else situ(beta, linear_beta)
-    ref = reference(x, w13, w2, weights, ids, fn)
+    ref = experts_reference(x, w13, w2, weights, ids, fn)
     dev = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
     got = torch.ops.latentserve.moe_experts(*dev, act, beta, linear_beta)
     assert got.shape == (m, width) and got.dtype == torch.float32
@@ -184,7 +173,8 @@ def test_down_early_matches_float64(monkeypatch, early, m, top_k, shard):
     got = torch.ops.latentserve.moe_experts_parts(*dev, "silu", 1.0, None)
     torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5)
     summed = got.view(m, top_k, width).sum(dim=1)
-    torch.testing.assert_close(summed.double().cpu(), reference(x, w13, w2, weights, ids, silu), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(summed.double().cpu(), experts_reference(x, w13, w2, weights, ids, silu), rtol=1e-4,
+                               atol=1e-4)
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs and PDL on the GPU only")
@@ -221,7 +211,7 @@ def test_experts_bf16_match_the_torch_path(monkeypatch, early, m):
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).cuda()
     weights = torch.rand(m, k, generator=g).cuda()
     got = torch.ops.latentserve.moe_experts(x, w13, w2, weights, ids, "silu", 1.0, None)
-    ref = reference(x.float().cpu(), w13.float().cpu(), w2.float().cpu(), weights.cpu(), ids.cpu(),
+    ref = experts_reference(x.float().cpu(), w13.float().cpu(), w2.float().cpu(), weights.cpu(), ids.cpu(),
                     lambda a, b: torch.nn.functional.silu(a) * b)
     err = (got.double().cpu() - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item(), err
