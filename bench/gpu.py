@@ -298,12 +298,14 @@ def profile_eager_step(worker, chunks, device: str, top: int = 12) -> str:
             f"device time\n{table}")
 
 
-def decode_llm(args, **kw) -> LLM:
+def decode_llm(args, batches: list[int] | None = None, **kw) -> LLM:
     """The decode bench's engine, with real numbers in every KV slot a context reads; graphs
-    captured at exactly the benched batch sizes."""
+    captured at exactly the benched batch sizes (`batches`, a baseline's share of them; the
+    engine's sequence limit stays the run's)."""
     t0 = time.perf_counter()
     llm = switched_llm(args.device, MID, args.preset, max_num_seqs=max(args.batches),
-                       cuda_graph_batch_sizes=sorted(args.batches), kv_cache_memory_bytes=args.kv_gib * GIB, **kw)
+                       cuda_graph_batch_sizes=sorted(batches or args.batches), kv_cache_memory_bytes=args.kv_gib * GIB,
+                       **kw)
     build = (f"compile={os.environ.get('LATENTSERVE_COMPILE', 'layers')},"
              f"moe_kernels={os.environ.get('LATENTSERVE_MOE_KERNELS', '1')},"
              f"moe_grouped={os.environ.get('LATENTSERVE_MOE_GROUPED', 'triton')}")
@@ -480,16 +482,16 @@ def mode_graph_ms(args, env: dict[str, str], **kw) -> dict:
     LATENTSERVE_MOE_KERNELS=0: the torch router and grouped-GEMM experts). Without prefill graphs,
     which decode steps never replay: their capture was ~12 s of each build (run 45)."""
     with switches({"LATENTSERVE_PREFILL_GRAPHS": "0", **env}):
-        ms, profiles = measured(decode_llm(args, **kw), partial(_graph_ms, args))
+        ms, profiles = measured(decode_llm(args, **kw), partial(_graph_ms, args, kw.get("batches")))
     log(f"decode with {env} (graph ms): {ms}; kernels per layer: "
         f"{ {p['batch']: round(p['kernels_per_layer'], 1) for p in profiles} }")
     return {"ms": ms, "profiles": profiles}
 
 
-def _graph_ms(args, llm: LLM) -> tuple[dict, list]:
+def _graph_ms(args, batches: list[int] | None, llm: LLM) -> tuple[dict, list]:
     worker, ms, profiles = llm.executor.rank0, {}, []
     layers = len(worker.model.layers)
-    for batch in args.batches:
+    for batch in [b for b in args.batches if b in (batches or args.batches)]:
         plan = StepPlan(decode_chunks(batch, args.context, llm.config.block_size))
         with torch.inference_mode():
             worker.execute(plan)
@@ -515,7 +517,9 @@ FP8_BASELINES = {"fp8_wide_tiles": {"LATENTSERVE_FP8_GEMV_MAX_ROWS": "1"},
 # The default build (layers compiled, Triton MoE kernels) is timed against these, same model.
 # torch_grouped: torch._grouped_mm above the GEMV limit instead of the Triton grouped GEMM
 # (service/model/moe_grouped.py); the same build as the default at batches <= 16.
-# same_build: the default itself, built and timed first. Its ratio is the run's noise and drift:
+# "batches": a baseline built and timed at only those of the run's batches (a switch that acts at
+# one row costs a lease no graphs at 8-256). same_build: the default itself, built and timed first.
+# Its ratio is the run's noise and drift:
 # in run 53 every baseline that does not act at 64 or 256 sequences came out 0.99x of the default,
 # which is timed last.
 BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chains": {"LATENTSERVE_COMPILE": "chains"},
@@ -642,16 +646,16 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # Below 32 pairs the experts' down kernel with its weight slab loaded before the PDL wait
              # (moe_down_early.py): the routing comes from two kernels back. Predicted 0.96-0.99x at batch 1
              # (the down kernel's ~7 us a layer toward its ~4.2 us of bytes), 1.00x at 8-256 (not taken).
-             "moe_down_early": {"LATENTSERVE_MOE_DOWN_EARLY": "1"},
-             "moe_down_early_32": {"LATENTSERVE_MOE_DOWN_EARLY": "32"},
+             "moe_down_early": {"LATENTSERVE_MOE_DOWN_EARLY": "1", "batches": [1]},
+             "moe_down_early_32": {"LATENTSERVE_MOE_DOWN_EARLY": "32", "batches": [1]},
              # At one row the latent MoE's pair GEMV requests its second weight (the shared experts' down
              # projection, 3.1 MB at small) before the PDL wait too (gemv.pair_early). Predicted 0.99-1.00x
              # at batch 1, 1.00x above (not taken).
-             "gemv_pair_early": {"LATENTSERVE_GEMV_PAIR_EARLY": "1"},
+             "gemv_pair_early": {"LATENTSERVE_GEMV_PAIR_EARLY": "1", "batches": [1]},
              # At one row the MoE entry kernel's last router program to finish chooses the experts
              # (moe_entry.select_enabled), where the selection kernel ran on its own (2.4 us a layer exposed,
              # run 117). Predicted 0.97-0.98x at batch 1, 1.00x above (not taken).
-             "entry_select": {"LATENTSERVE_MOE_ENTRY_SELECT": "1"},
+             "entry_select": {"LATENTSERVE_MOE_ENTRY_SELECT": "1", "batches": [1]},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}
