@@ -656,6 +656,10 @@ BASELINES = {"same_build": {}, "uncompiled": {"LATENTSERVE_COMPILE": "0"}, "chai
              # (moe_entry.select_enabled), where the selection kernel ran on its own (2.4 us a layer exposed,
              # run 117). Predicted 0.97-0.98x at batch 1, 1.00x above (not taken).
              "entry_select": {"LATENTSERVE_MOE_ENTRY_SELECT": "1", "batches": [1]},
+             # At one row q_a's norm inside each q_b program and the latent row (c_kv's norm, the key's
+             # rope) in one more program of that launch (qb_norms.py): two Inductor kernels a layer fewer
+             # (~1 us each exposed, run 117). Predicted 0.97-0.98x at batch 1.
+             "qb_norms": {"LATENTSERVE_MLA_QB_NORMS": "1", "batches": [1]},
              "kv_block_32": {"block_size": 32},
              "mla_tma": {"LATENTSERVE_MLA_TMA": "1", "block_size": 32},
              "mla_tma_64": {"LATENTSERVE_MLA_TMA": "1", "block_size": 64}}

@@ -272,7 +272,7 @@ fi
 # comm), `tests_engine` (TP graphs, the engine); `all` runs them all.
 if [ "$what" = tests_kernels ] || [ "$what" = all ]; then
   group kernels 560 tests/gpu/test_pdl.py tests/gpu/test_gemv.py tests/gpu/test_moe_entry.py tests/gpu/test_moe_entry_select.py \
-    tests/gpu/test_moe_kernels.py \
+    tests/gpu/test_moe_kernels.py tests/gpu/test_qb_norms.py \
     tests/gpu/test_moe_grouped_kernel.py tests/gpu/test_moe_grouped.py tests/gpu/test_mla_prefill_sdpa.py \
     tests/gpu/test_mla_absorb.py tests/gpu/test_mla_decode_kernel.py
 fi

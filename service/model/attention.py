@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
-from . import cpu_kernels, gemv_multi, mla_absorb, mla_decode, mla_merge, sdpa
+from . import cpu_kernels, gemv, gemv_multi, mla_absorb, mla_decode, mla_merge, qb_norms, sdpa
 from .attn_metadata import AttnMetadata
 from .layers import (
     ColumnParallelLinear,
@@ -144,6 +144,13 @@ class MLAAttention(nn.Module):
         gate_in = None
         if self.q_lora_rank:
             qkv_a, gate_in = (qkv_a, None) if qkv_a is not None else self._down_and_gate(x)
+            fused = self._q_and_latent(qkv_a, cos, sin) if into is None else None
+            if fused is not None:  # one launch: q_a's norm, q_b, and the latent row (qb_norms.py)
+                q, latent = fused
+                q = q.view(t, self.num_heads, self.qk_dim)
+                if self.use_rope and rope_q:
+                    q = cat_last([q[..., : self.nope], apply_rope(q[..., self.nope:], cos, sin, self.interleave)])
+                return (q, latent), None
             q_a, c_kv, k_pe = qkv_a.split([self.q_lora_rank, self.kv_lora_rank, self.rope], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
@@ -162,6 +169,19 @@ class MLAAttention(nn.Module):
             gate = gate_in if gate_in is not None else self.g_proj(x)
             gate = gate.sigmoid() if gate_sigmoid else gate
         return (q, latent), gate
+
+    def _q_and_latent(self, qkv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q [1, heads * qk], the latent row) from fused_qkv_a's row in q_b's launch (qb_norms.py),
+        or None where it does not run (more rows, an output gate, FP8 or TP-sharded q_b)."""
+        w = self.q_b_proj.weight
+        if (self.g_proj is not None or self.q_b_proj.weight_scale_inv is not None
+                or not qb_norms.supported(qkv_a, self.q_lora_rank, self.kv_lora_rank, self.rope, w)):
+            return None
+        rope = (2 if self.interleave else 1) if self.use_rope else 0
+        return gemv.run(torch.ops.latentserve.mla_qb_norms, qkv_a, self.q_a_layernorm.weight, self.q_a_layernorm.eps, w,
+                        self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos if rope else qkv_a,
+                        sin if rope else qkv_a, rope)
 
     def takes_qkv_a(self) -> bool:
         """fused_qkv_a's output is all `project` needs of x: q in LoRA form, no output gate, 16/32-bit."""
