@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..parallel import TPGroup
-from . import cpu_kernels, gemv, gemv_multi, mla_absorb, mla_decode, mla_merge, qb_norms, sdpa
+from . import cpu_kernels, gemv_multi, mla_absorb, mla_decode, mla_merge, qb_norms, sdpa
 from .attn_metadata import AttnMetadata
 from .layers import (
     ColumnParallelLinear,
@@ -173,15 +173,14 @@ class MLAAttention(nn.Module):
     def _q_and_latent(self, qkv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [1, heads * qk], the latent row) from fused_qkv_a's row in q_b's launch (qb_norms.py),
-        or None where it does not run (more rows, an output gate, FP8 or TP-sharded q_b)."""
+        or None where it does not run (more rows, an output gate, an FP8 q_b)."""
         w = self.q_b_proj.weight
         if (self.g_proj is not None or self.q_b_proj.weight_scale_inv is not None
                 or not qb_norms.supported(qkv_a, self.q_lora_rank, self.kv_lora_rank, self.rope, w)):
             return None
         rope = (2 if self.interleave else 1) if self.use_rope else 0
-        return gemv.run(torch.ops.latentserve.mla_qb_norms, qkv_a, self.q_a_layernorm.weight, self.q_a_layernorm.eps, w,
-                        self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos if rope else qkv_a,
-                        sin if rope else qkv_a, rope)
+        return qb_norms.run(qkv_a, self.q_a_layernorm.weight, self.q_a_layernorm.eps, w, self.kv_a_layernorm.weight,
+                            self.kv_a_layernorm.eps, cos if rope else qkv_a, sin if rope else qkv_a, rope)
 
     def takes_qkv_a(self) -> bool:
         """fused_qkv_a's output is all `project` needs of x: q in LoRA form, no output gate, 16/32-bit."""

@@ -24,6 +24,7 @@ import os
 import torch
 
 from . import add_norm, gemv, pdl
+from .kernel_guard import KernelGuard
 
 try:
     import triton
@@ -32,8 +33,16 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
+GUARD = KernelGuard("qb_norms")  # a first-call failure turns it off: q_b's GEMV and the compiled norms then
+
+
 def enabled() -> bool:
-    return os.environ.get("LATENTSERVE_MLA_QB_NORMS", "0") == "1"
+    return os.environ.get("LATENTSERVE_MLA_QB_NORMS", "0") == "1" and GUARD.failure is None
+
+
+def run(*args) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """latentserve::mla_qb_norms(*args), or None when its first call in this process fails."""
+    return GUARD.call(torch.ops.latentserve.mla_qb_norms, *args)
 
 
 def supported(qkv_a: torch.Tensor, q_lora: int, kv_lora: int, rope: int, w_qb: torch.Tensor) -> bool:
