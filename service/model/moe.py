@@ -347,8 +347,7 @@ class MoE(nn.Module):
         shared = self.shared_experts
         args = (h, add, norm.weight, norm.eps, *weights, shared.act_name, shared.act_beta, shared.act_linear_beta)
         if moe_entry.select_enabled():  # the experts chosen in the entry kernel too
-            out = add_norm.run(torch.ops.latentserve.moe_entry_add_norm_route, *args, self.gate.e_score_correction_bias,
-                               *self.gate.choice())
+            out = moe_entry.run_select(*args, self.gate.e_score_correction_bias, *self.gate.choice())
             if out is not None:
                 latent, gated, logits, h, *routing = out
                 return h, self.forward(h, entry=(latent, gated, logits), routing=tuple(routing))

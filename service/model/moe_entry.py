@@ -26,6 +26,7 @@ from ..weights import fp8 as fmt
 from . import act_kernels, add_norm, fp8, gemv, moe_kernels, moe_select, pdl
 from .act_kernels import ACTS
 from .counters import ArrivalCounters
+from .kernel_guard import KernelGuard
 
 try:
     import triton
@@ -50,10 +51,16 @@ def select_enabled() -> bool:
     chooses the token's experts (its last router program to finish, `_select_if_last`), where
     moe_select's kernel was a launch of its own (2.4 us a layer exposed at batch 1, run 117). A
     candidate, off by default (bench/gpu.py's `entry_select`)."""
-    return os.environ.get("LATENTSERVE_MOE_ENTRY_SELECT", "0") == "1"
+    return os.environ.get("LATENTSERVE_MOE_ENTRY_SELECT", "0") == "1" and SELECT_GUARD.failure is None
 
 
+SELECT_GUARD = KernelGuard("moe_entry_select")  # a first-call failure: the fold without the choice then
 _COUNTERS = ArrivalCounters()
+
+
+def run_select(*args) -> tuple | None:
+    """latentserve::moe_entry_add_norm_route(*args), or None when its first call in this process fails."""
+    return SELECT_GUARD.call(torch.ops.latentserve.moe_entry_add_norm_route, *args)
 
 
 def counter(device: torch.device) -> torch.Tensor | None:
