@@ -103,10 +103,11 @@ def test_tokens_through_the_model_give_the_same_logits(tokens, monkeypatch, spy)
     ref = full_logits(model, tokens)
     monkeypatch.delenv("LATENTSERVE_FOLD_ADD_NORM")
     gemvs, entries = spy(torch.ops.latentserve, "gemv_add_norm"), spy(torch.ops.latentserve, "moe_entry_add_norm")
+    routes = spy(torch.ops.latentserve, "moe_entry_add_norm_route")  # the same fold, with the expert choice
     got = full_logits(model, tokens)
     one = len(tokens) == 1
     assert len(gemvs) == (cfg.num_hidden_layers - 1 if one else 0)
-    assert len(entries) == (cfg.num_hidden_layers - cfg.first_k_dense_replace if one else 0)
+    assert len(entries) + len(routes) == (cfg.num_hidden_layers - cfg.first_k_dense_replace if one else 0)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
