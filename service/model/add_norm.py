@@ -61,10 +61,14 @@ if triton is not None:
 
     @triton.jit
     def row_sum(x_ptr, add_ptr, k, kmask):
-        """x + add at columns k, rounded to x's dtype as the add alone rounds, in fp32."""
+        """x + add at columns k, rounded to x's dtype as the add alone rounds, in fp32; add_ptr None:
+        x alone (a norm with no add before it, qb_norms.py)."""
         x = tl.load(x_ptr + k, mask=kmask, other=0.0)
-        a = tl.load(add_ptr + k, mask=kmask, other=0.0)
-        return (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype).to(tl.float32)
+        s = x.to(tl.float32)
+        if add_ptr is not None:
+            a = tl.load(add_ptr + k, mask=kmask, other=0.0)
+            s = (s + a.to(tl.float32)).to(x.dtype).to(tl.float32)
+        return s
 
     @triton.jit
     def first_tile(x_ptr, add_ptr, K, eps, BLOCK_K: tl.constexpr):
@@ -99,11 +103,10 @@ if triton is not None:
             tl.store(out_ptr + k, row_sum(x_ptr, add_ptr, k, k < K).to(out_ptr.dtype.element_ty), mask=k < K)
 
     @triton.jit
-    def _add_norm_gemv_kernel(x_ptr, add_ptr, g_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """y = rms_norm(x + add) @ w^T for one row, as gemv's register product; program 0 also
-        writes x + add. The first weight tile is requested before the PDL wait."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def normed_rows(x_ptr, add_ptr, g_ptr, w_ptr, y_ptr, n, N, K, stride_w, eps, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+        """y[n] = rms_norm(x + add) @ w[n]^T for one row (add_ptr None: rms_norm(x)), as gemv's
+        register product. The first weight tile is requested before the PDL wait."""
         nmask = n < N
         rows = w_ptr + n[:, None].to(tl.int64) * stride_w
         k = tl.arange(0, BLOCK_K)
@@ -117,6 +120,13 @@ if triton is not None:
             w = tl.load(rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * normed(x_ptr, add_ptr, g_ptr, k, k < K, inv)[None, :], 1)
         tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+
+    @triton.jit
+    def _add_norm_gemv_kernel(x_ptr, add_ptr, g_ptr, w_ptr, y_ptr, sum_ptr, N, K, stride_w, eps,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """y = rms_norm(x + add) @ w^T for one row; program 0 also writes x + add."""
+        normed_rows(x_ptr, add_ptr, g_ptr, w_ptr, y_ptr, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N, K,
+                    stride_w, eps, BLOCK_K, PDL)
         if tl.program_id(0) == 0:
             store_sum(x_ptr, add_ptr, sum_ptr, K, BLOCK_K)
 

@@ -56,36 +56,22 @@ def supported(qkv_a: torch.Tensor, q_lora: int, kv_lora: int, rope: int, w_qb: t
 if triton is not None:
 
     @triton.jit
-    def _inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-        """(x's first BLOCK_K columns in fp32, 1 / sqrt(mean(x^2) + eps)) over a row of K."""
-        k = tl.arange(0, BLOCK_K)
-        x0 = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        ss = x0 * x0
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            ss += x * x
-        return x0, tl.rsqrt(tl.sum(ss, 0) / K + eps)
-
-    @triton.jit
     def _latent(row_ptr, g_ptr, cos_ptr, sin_ptr, out_ptr, KV, R, eps, KV_BLOCK: tl.constexpr,
                 HALF_BLOCK: tl.constexpr, ROPE: tl.constexpr):
         """out = [rms_norm(c_kv) | the key roped] from the row's c_kv (at row_ptr) and key after it.
         ROPE: 0 none (NoPE), 1 halves, 2 interleaved pairs (de-interleaved, as layers.apply_rope)."""
         dtype = out_ptr.dtype.element_ty
         c = tl.arange(0, KV_BLOCK)
-        cv, inv = _inv_rms(row_ptr, KV, eps, KV_BLOCK)
+        cv, inv = add_norm.first_tile(row_ptr, None, KV, eps, KV_BLOCK)
         g = tl.load(g_ptr + c, mask=c < KV, other=0.0)
         tl.store(out_ptr + c, add_norm.norm_of(cv, g, inv, dtype).to(dtype), mask=c < KV)
         j = tl.arange(0, HALF_BLOCK)
         half = R // 2
         jm = j < half
         key = row_ptr + KV
-        if ROPE == 0:
-            x1 = tl.load(key + j, mask=jm, other=0.0)
-            x2 = tl.load(key + half + j, mask=jm, other=0.0)
-            tl.store(out_ptr + KV + j, x1, mask=jm)
-            tl.store(out_ptr + KV + half + j, x2, mask=jm)
+        if ROPE == 0:  # NoPE: the key as it is
+            r = tl.arange(0, 2 * HALF_BLOCK)
+            tl.store(out_ptr + KV + r, tl.load(key + r, mask=r < R, other=0.0), mask=r < R)
         else:
             if ROPE == 2:
                 x1 = tl.load(key + 2 * j, mask=jm, other=0.0).to(tl.float32)
@@ -106,24 +92,8 @@ if triton is not None:
         requested before the PDL wait; the last program: the latent row."""
         pid = tl.program_id(0)
         if pid < tl.cdiv(N, BLOCK_N):
-            n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            nmask = n < N
-            rows = w_ptr + n[:, None].to(tl.int64) * stride_w
-            k = tl.arange(0, BLOCK_K)
-            w = tl.load(rows + k[None, :], mask=nmask[:, None] & (k < QA)[None, :], other=0.0)
-            pdl.enter(PDL)
-            dtype = qkv_ptr.dtype.element_ty
-            a0, inv = _inv_rms(qkv_ptr, QA, eps_q, BLOCK_K)
-            x0 = add_norm.norm_of(a0, tl.load(gq_ptr + k, mask=k < QA, other=0.0), inv, dtype)
-            acc = tl.sum(w.to(tl.float32) * x0[None, :], 1)
-            for k0 in range(BLOCK_K, QA, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                kmask = k < QA
-                w = tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                a = tl.load(qkv_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-                x = add_norm.norm_of(a, tl.load(gq_ptr + k, mask=kmask, other=0.0), inv, dtype)
-                acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-            tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+            add_norm.normed_rows(qkv_ptr, None, gq_ptr, w_ptr, y_ptr, pid * BLOCK_N + tl.arange(0, BLOCK_N), N, QA,
+                                 stride_w, eps_q, BLOCK_K, PDL)
         else:
             pdl.enter(PDL)
             _latent(qkv_ptr + QA, gkv_ptr, cos_ptr, sin_ptr, latent_ptr, KV, R, eps_kv, KV_BLOCK, HALF_BLOCK, ROPE)
