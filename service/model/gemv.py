@@ -351,14 +351,14 @@ if triton is not None:
             IEEE=weight.dtype == torch.float32, NORM=norm is not None, SLOTS=slots, **fp8, **cfg, **early,
             **pdl.launch(x2.device))
 
-    def _rows(x: torch.Tensor) -> torch.Tensor:
+    def rows(x: torch.Tensor) -> torch.Tensor:
         """x [..., K] as rows [M, K] with contiguous K."""
         x2 = x.reshape(-1, x.shape[-1])
         return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
     def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
-        x2 = _rows(x)
+        x2 = rows(x)
         m, n = x2.shape[0], weight.shape[0]
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if not (gemv_cuda.supported(x2, weight) and gemv_cuda.run(x2, weight, y)):
@@ -366,7 +366,7 @@ if triton is not None:
         return y.view(*x.shape[:-1], n)
 
     def _pair(x, weight, x2, weight2, norm=None, slots=0, scale2=None):
-        a, b = _rows(x), _rows(x2)
+        a, b = rows(x), rows(x2)
         if slots and b.shape[0] != 1:  # the tiles' pipeline would stage every slot's fp32 rows (270 KB)
             raise ValueError(f"slots: one row only, got {b.shape[0]}")
         y = torch.empty(b.shape[0], weight.shape[0], dtype=weight.dtype, device=x.device)

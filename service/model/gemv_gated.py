@@ -57,8 +57,7 @@ if triton is not None:
 
     def _gated(x: torch.Tensor, weight: torch.Tensor, act: str, beta: float, linear_beta: float | None):
         k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        x2 = gemv.rows(x)
         m, inter = x2.shape[0], weight.shape[0] // 2
         h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
         # Two weight tiles per step: half the K block of a plain GEMV with the same registers.

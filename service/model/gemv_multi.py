@@ -85,7 +85,7 @@ if triton is not None:
 
     def _multi(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         k = x.shape[-1]
-        x2 = gemv._rows(x)
+        x2 = gemv.rows(x)
         m, widths = x2.shape[0], [w.shape[0] for w in weights]
         y = torch.empty(m, sum(widths), dtype=x.dtype, device=x.device)
         # The widest weight's own launch shape (one row: whole-K slices of a few rows a program),
