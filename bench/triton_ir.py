@@ -90,8 +90,7 @@ def compile_entry(select: bool):
     consts = dict(ACT=0, CLIP_UP=False, BLOCK_N=4, BLOCK_K=2048, PDL=True, FP8=False, BN=16, BK=16, SUB=16,
                   FOLD=True, SELECT=select)
     if select:
-        meta = moe_select.meta(64, 8, 4, 8, True, False)
-        consts.update({"E_SEL" if k == "E" else k: v for k, v in meta.items()}, GATHER_W=True)
+        consts.update(moe_entry.select_constants(moe_select.meta(64, 8, 4, 8, True, False)))
     bf16 = ("x_ptr", "down_ptr", "shared_ptr", "router_ptr", "latent_ptr", "h_ptr", "down_s_ptr", "shared_s_ptr",
             "add_ptr", "g_ptr", "sum_ptr")
     types = {**dict.fromkeys(bf16, "*bf16"), "logits_ptr": "*fp32", "bias_ptr": "*fp32", "wts_ptr": "*fp32",

@@ -63,6 +63,13 @@ def run_select(*args) -> tuple | None:
     return SELECT_GUARD.call(torch.ops.latentserve.moe_entry_add_norm_route, *args)
 
 
+def select_constants(meta: dict) -> dict:
+    """`_entry_kernel`'s constexprs for the choice, from moe_select.meta's (its E is E_SEL here:
+    the kernel's E is its runtime expert count) and the selection kernel's weight gather."""
+    consts = {"E_SEL" if name == "E" else name: v for name, v in meta.items()}
+    return {**consts, "SELECT": True, "GATHER_W": moe_select.launch_options(meta["E_PAD"])["GATHER_W"]}
+
+
 def counter(device: torch.device) -> torch.Tensor | None:
     """The zeroed arrival counter of `entry_add_norm_route`'s kernels, one a device for every layer
     (each launch leaves it zeroed); None inside a CUDA graph capture that would have to make it."""
@@ -323,7 +330,7 @@ if triton is not None:
         """cfg overrides the multi-row launch (BLOCK_N, BLOCK_K, num_warps, num_stages): bench/moe_entry.py's
         sweep. fold: (add, norm weight, eps, out), 16/32-bit weights: the input is rms_norm(x + add),
         and x + add goes to out (`entry_add_norm`). route: (bias, weights out, ids out, counter,
-        scaling, moe_select.meta's constants), one row: the experts chosen in the kernel too."""
+        scaling, `select_constants`), one row: the experts chosen in the kernel too."""
         m, k = x.shape
         latent_dim, inter, experts = down.shape[0], shared_gate_up.shape[0] // 2, router.shape[0]
         latent = torch.empty(m, latent_dim, dtype=x.dtype, device=x.device)
@@ -339,9 +346,6 @@ if triton is not None:
         if route is not None and m > 1:
             raise ValueError("the entry kernel chooses experts for one row")
         bias, wts, ids, counter, scaling, consts = route if route is not None else (x, x, x, x, 1.0, {})
-        if route is not None:  # choose's constants; E is the kernel's expert count already
-            consts = {"E_SEL" if name == "E" else name: v for name, v in consts.items()}
-            consts.update(SELECT=True, GATHER_W=moe_select.launch_options(consts["E_PAD"])["GATHER_W"])
         add, g, eps, total = fold if fold is not None else (x, x, 0.0, x)  # unread without FOLD
         if m > 1:
             bm = gemv.rows_tile(m, True)
@@ -422,7 +426,7 @@ if triton is not None:
             latent, h, logits = _entry(x, down, shared_gate_up, router, act, beta, linear_beta, fold=fold)
             moe_select.select(logits, bias, wts, ids, n_group, topk_group, top_k, norm_topk_prob, scaling, softmax)
             return latent, h, logits, total, wts, ids
-        consts = moe_select.meta(router.shape[0], n_group, topk_group, top_k, norm_topk_prob, softmax)
+        consts = select_constants(moe_select.meta(router.shape[0], n_group, topk_group, top_k, norm_topk_prob, softmax))
         latent, h, logits = _entry(x, down, shared_gate_up, router, act, beta, linear_beta, fold=fold,
                                    route=(bias, wts, ids, arrivals, scaling, consts))
         return latent, h, logits, total, wts, ids
